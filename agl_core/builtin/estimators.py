@@ -1,0 +1,76 @@
+"""Built-in plugin ``estimators``: the advantage estimators, the PPO loss, and the ``advantage`` slot.
+
+The math is in :mod:`agl_core.algorithms`; this module adapts it to the
+estimator signature ``fn(batch, config) -> (advantages, returns)``.
+"""
+
+from __future__ import annotations
+
+from agl_core import HOOK_API_VERSION, hookimpl
+from agl_core.algorithms import advantages as A
+from agl_core.algorithms.losses import ppo_clip_loss
+
+AGL_HOOK_API = HOOK_API_VERSION
+
+
+def _gae(batch, config):
+    return A.gae(batch["token_level_rewards"], batch["values"], batch["response_mask"], config.gamma, config.lam)
+
+
+def _grpo(batch, config):
+    return A.grpo(batch["token_level_rewards"], batch["response_mask"], batch["uid"],
+                  norm_adv_by_std_in_grpo=config.norm_adv_by_std_in_grpo)
+
+
+def _grpo_passk(batch, config):
+    return A.grpo_passk(batch["token_level_rewards"], batch["response_mask"], batch["uid"],
+                        norm_adv_by_std_in_grpo=config.norm_adv_by_std_in_grpo)
+
+
+def _rloo(batch, config):
+    return A.rloo(batch["token_level_rewards"], batch["response_mask"], batch["uid"])
+
+
+def _reinforce_plus_plus(batch, config):
+    return A.reinforce_plus_plus(batch["token_level_rewards"], batch["response_mask"], config.gamma)
+
+
+def _reinforce_plus_plus_baseline(batch, config):
+    return A.reinforce_plus_plus_baseline(batch["token_level_rewards"], batch["response_mask"], batch["uid"])
+
+
+def _remax(batch, config):
+    return A.remax(batch["token_level_rewards"], batch["reward_baselines"], batch["response_mask"])
+
+
+@hookimpl
+def register_estimators(register):
+    register("gae", _gae, needs_critic=True)
+    register("grpo", _grpo)
+    register("grpo_passk", _grpo_passk)
+    register("rloo", _rloo)
+    register("reinforce_plus_plus", _reinforce_plus_plus)
+    register("reinforce_plus_plus_baseline", _reinforce_plus_plus_baseline)
+    register("remax", _remax)
+
+
+@hookimpl
+def register_policy_losses(register):
+    register("vanilla", _vanilla_policy_loss)
+
+
+def _vanilla_policy_loss(old_log_prob, log_prob, advantages, response_mask, config):
+    return ppo_clip_loss(
+        old_log_prob, log_prob, advantages, response_mask,
+        clip_ratio=config.clip_ratio, clip_ratio_low=config.clip_ratio_low,
+        clip_ratio_high=config.clip_ratio_high, clip_ratio_c=config.clip_ratio_c,
+        loss_agg_mode=config.loss_agg_mode,
+    )
+
+
+@hookimpl
+def advantage(ctx, batch):
+    config = ctx.config.algorithm
+    estimator = ctx.components.get("estimator", config.estimator).obj
+    batch["advantages"], batch["returns"] = estimator(batch, config)
+    return batch

@@ -1,0 +1,132 @@
+"""The ``agl`` command: train, plugins, config show, doctor."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import sys
+from importlib import metadata
+
+from agl_core import HOOK_API_VERSION, __version__
+from agl_core.config import ConfigError, load, resolved, to_yaml
+from agl_core.plugins import HOOK_KINDS, PluginError, PluginSet, parse_plugin_flags
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.run(args)
+    except (ConfigError, PluginError, ValueError) as exc:
+        print(f"agl: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agl", description="Train LLM agents with reinforcement learning.")
+    parser.add_argument("--version", action="version", version=f"agl_core {__version__}")
+    plugin_flag = argparse.ArgumentParser(add_help=False)
+    plugin_flag.add_argument("-p", dest="plugin_flags", action="append", default=[], metavar="NAME",
+                             help="enable plugin NAME; -p no:NAME disables it (built-ins too)")
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    train = sub.add_parser("train", parents=[plugin_flag], help="run a recipe")
+    train.add_argument("recipe", help="YAML recipe")
+    train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=50")
+    train.set_defaults(run=cmd_train)
+
+    plugins = sub.add_parser("plugins", parents=[plugin_flag], help="list installed plugins")
+    plugins.add_argument("--json", action="store_true", help="machine-readable output")
+    plugins.add_argument("--hook", help="only plugins implementing this hook")
+    plugins.set_defaults(run=cmd_plugins)
+
+    config = sub.add_parser("config", help="inspect recipes")
+    config_sub = config.add_subparsers(required=True, metavar="ACTION")
+    show = config_sub.add_parser("show", parents=[plugin_flag], help="print the resolved recipe with defaults")
+    show.add_argument("recipe")
+    show.add_argument("overrides", nargs="*")
+    show.set_defaults(run=cmd_config_show)
+
+    doctor = sub.add_parser("doctor", parents=[plugin_flag], help="versions, and which plugin fills each slot")
+    doctor.add_argument("recipe", nargs="?")
+    doctor.add_argument("overrides", nargs="*")
+    doctor.set_defaults(run=cmd_doctor)
+    return parser
+
+
+def cmd_train(args) -> int:
+    from agl_core.loop import Trainer
+
+    recipe, plugins = load(args.recipe, args.overrides, args.plugin_flags)
+    Trainer(recipe, plugins).fit()
+    return 0
+
+
+def cmd_plugins(args) -> int:
+    enable, disable = parse_plugin_flags(args.plugin_flags)
+    pset = PluginSet.load(enable=enable, disable=disable)
+    rows = [
+        {"name": p.name, "distribution": p.distribution, "version": p.version, "status": p.status,
+         "builtin": p.builtin, "hooks": p.hooks, "reason": p.reason}
+        for p in pset.plugins.values()
+        if args.hook is None or args.hook in p.hooks
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"agl_core plugins (hook API {HOOK_API_VERSION})")
+    for column in ("name", "distribution", "version", "status", "hooks"):
+        table.add_column(column)
+    for row in rows:
+        status = row["status"] + (f": {row['reason']}" if row["reason"] and row["status"] != "active" else "")
+        table.add_row(row["name"], row["distribution"] or "", row["version"] or "", status, ", ".join(row["hooks"]))
+    Console(width=160).print(table)
+    return 0
+
+
+def cmd_config_show(args) -> int:
+    recipe, _ = load(args.recipe, args.overrides, args.plugin_flags)
+    print(to_yaml(resolved(recipe)), end="")
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    print(f"python     {platform.python_version()}")
+    print(f"agl_core   {__version__} (hook API {HOOK_API_VERSION})")
+    for dist in ("torch", "verl", "ray", "transformers", "tensordict", "pluggy", "pydantic", "omegaconf"):
+        try:
+            version = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            version = "not installed"
+        print(f"{dist:<10} {version}")
+    if args.recipe is None:
+        return 0
+    from agl_core.components import Components
+    from agl_core.wiring import needed_slots
+
+    recipe, plugins = load(args.recipe, args.overrides, args.plugin_flags)
+    needed, _, _ = needed_slots(recipe, Components.collect(plugins), validates=True)
+    print(f"\nrecipe {args.recipe}\nslots:")
+    problems = 0
+    for hook in sorted(h for h, kind in HOOK_KINDS.items() if kind == "slot"):
+        try:
+            resolved_slot = plugins.resolve_slot(hook, recipe.plugins.slots.get(hook), required=False)
+            text = resolved_slot[0] if resolved_slot else "(empty)"
+        except PluginError as exc:
+            resolved_slot, text = None, f"AMBIGUOUS: {exc}"
+        missing = hook in needed and resolved_slot is None
+        problems += missing
+        print(f"  {hook:<22} {text}{'   <- needed by this recipe' if missing else ''}")
+    stages = plugins.pipeline("post_process_batch", recipe.plugins.order.get("post_process_batch"))
+    print("post_process_batch pipeline: " + (" -> ".join(n for n, _ in stages) or "(empty)"))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""Recipes: YAML read with OmegaConf, overridden from the command line, validated by pydantic.
+
+A recipe has five core sections (``data``, ``algorithm``, ``trainer``,
+``rollout``, ``plugins``). ``plugins`` activates plugins and holds their own
+sections, each validated by the model the plugin returns from
+``plugin_config_schema``::
+
+    plugins:
+      lora: {rank: 8}            # enables the plugin "lora" with its settings
+      disable: [console]         # keeps built-ins out
+      slots: {compute_ref_logprob: lora}
+      order: {post_process_batch: [traces, filters]}
+
+``plugins: [lora, sqlite]`` is a shorthand for plugins with default settings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+
+from agl_core.plugins import HOOK_KINDS, RESERVED_NAMES, PluginError, PluginSet, parse_plugin_flags
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+class ConfigError(ValueError):
+    """A recipe that cannot run: names the key path, what is wrong and what is allowed."""
+
+
+class Section(BaseModel):
+    """Base of every recipe section: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(Section):
+    train_files: list[str] = Field(default_factory=list, description="JSONL files of tasks to train on")
+    val_files: list[str] = Field(default_factory=list, description="JSONL files of validation tasks")
+    train_batch_size: int = Field(8, ge=1, description="tasks per training step")
+    val_batch_size: int | None = Field(None, ge=1, description="validation tasks per run (None: all)")
+    max_prompt_length: int = Field(512, ge=1)
+    max_response_length: int = Field(512, ge=1)
+    shuffle: bool = True
+
+
+class KLControlConfig(Section):
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+class PolicyLossConfig(Section):
+    name: str = "vanilla"
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float = Field(3.0, gt=1.0, description="dual-clip bound for negative advantages")
+    loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"  # type: ignore[valid-type]
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
+
+
+class AlgorithmConfig(Section):
+    estimator: str = Field("grpo", description="a registered advantage estimator")
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "kl"
+    kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
+    policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
+    ppo_mini_batch_size: int = Field(8, ge=1, description="rows per PPO mini-batch")
+    ppo_epochs: int = Field(1, ge=1)
+
+
+class TrainerConfig(Section):
+    project_name: str = "agl"
+    experiment_name: str = "default"
+    run_dir: str = Field("runs/default", description="metrics, config and checkpoints of the run")
+    seed: int = 0
+    total_epochs: int = Field(1, ge=1)
+    total_steps: int | None = Field(None, ge=1, description="stop after this many steps (None: epochs)")
+    val_before_train: bool = True
+    val_only: bool = False
+    test_freq: int = Field(0, description="validate every N steps and at the end (<=0: never)")
+    save_freq: int = Field(0, description="checkpoint every N steps and at the end (<=0: never)")
+    resume: str = Field("auto", description="auto | never | path of a checkpoint directory")
+    critic_warmup: int = Field(0, ge=0, description="steps that update only the critic")
+    balance_batch: bool = True
+    progress: bool = True
+
+
+class RolloutConfig(Section):
+    n: int = Field(1, ge=1, description="samples per task (the group size of grpo/rloo)")
+
+
+class PluginsConfig(Section):
+    """The normalised ``plugins`` section."""
+
+    enable: list[str] = Field(default_factory=list)
+    disable: list[str] = Field(default_factory=list)
+    slots: dict[str, str] = Field(default_factory=dict)
+    order: dict[str, list[str]] = Field(default_factory=dict)
+    sections: dict[str, Any] = Field(default_factory=dict)
+
+
+class Recipe(Section):
+    data: DataConfig = Field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    plugins: PluginsConfig = Field(default_factory=PluginsConfig)
+    _plugin_config: dict[str, BaseModel] = PrivateAttr(default_factory=dict)
+
+    @property
+    def plugin_config(self) -> dict[str, BaseModel]:
+        """Validated plugin sections by plugin name, filled by :func:`validate_plugin_sections`."""
+        return self._plugin_config
+
+
+# --------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------
+
+
+def read_recipe(path: str | Path | None, overrides: list[str] = ()) -> dict[str, Any]:
+    """Read a YAML recipe (or none) and apply ``key=value`` overrides; return plain data."""
+    try:
+        cfg = OmegaConf.load(path) if path else OmegaConf.create({})
+    except FileNotFoundError:
+        raise ConfigError(f"recipe file {path} does not exist") from None
+    except (yaml.YAMLError, OmegaConfBaseException) as exc:
+        raise ConfigError(f"recipe file {path} is not valid YAML: {exc}") from None
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"recipe file {path} must hold a mapping at the top level")
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+    try:
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        return OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"cannot apply overrides {list(overrides)}: {exc}") from None
+
+
+def normalise_plugins(raw: Any) -> dict[str, Any]:
+    """``plugins`` as a list or a mapping → the fields of :class:`PluginsConfig`."""
+    if raw is None:
+        return {}
+    if isinstance(raw, (list, ListConfig)):
+        return {"enable": [str(name) for name in raw]}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"plugins: expected a list of plugin names or a mapping, got {raw!r}")
+    out: dict[str, Any] = {k: raw[k] for k in RESERVED_NAMES if k in raw}
+    sections = {k: v for k, v in raw.items() if k not in RESERVED_NAMES}
+    out["enable"] = list(sections)
+    out["sections"] = {k: (v or {}) for k, v in sections.items()}
+    return out
+
+
+def validate_recipe(data: dict[str, Any]) -> Recipe:
+    """Validate the core sections; raise :class:`ConfigError` naming every bad key."""
+    data = dict(data)
+    data["plugins"] = normalise_plugins(data.get("plugins"))
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(explain(exc, Recipe)) from None
+    for hook in recipe.plugins.slots:
+        if HOOK_KINDS.get(hook) != "slot":
+            raise ConfigError(f"plugins.slots.{hook}: not a slot hook; slots: {', '.join(_hooks('slot'))}")
+    for hook in recipe.plugins.order:
+        if HOOK_KINDS.get(hook) != "pipeline":
+            raise ConfigError(
+                f"plugins.order.{hook}: not a pipeline hook; pipelines: {', '.join(_hooks('pipeline'))}"
+            )
+    return recipe
+
+
+def validate_plugin_sections(recipe: Recipe, plugins: PluginSet) -> None:
+    """Validate each ``plugins.<name>`` section with the model that plugin supplies."""
+    schemas = plugins.broadcast("plugin_config_schema")
+    for name, section in recipe.plugins.sections.items():
+        schema = schemas.get(name)
+        if schema is None:
+            if section:
+                raise ConfigError(f"plugins.{name}: plugin {name!r} takes no settings, got {section!r}")
+            continue
+        try:
+            recipe.plugin_config[name] = schema.model_validate(section)
+        except ValidationError as exc:
+            raise ConfigError(explain(exc, schema, prefix=f"plugins.{name}")) from None
+    for name, schema in schemas.items():
+        if schema is not None and name not in recipe.plugin_config:
+            recipe.plugin_config[name] = schema()
+
+
+def load(
+    path: str | Path | None,
+    overrides: list[str] = (),
+    plugin_flags: list[str] = (),
+    extra_plugins: list[tuple[str, Any]] = (),
+) -> tuple[Recipe, PluginSet]:
+    """Read and validate a recipe and load the plugin set it asks for.
+
+    ``plugin_flags`` are the CLI's ``-p NAME`` / ``-p no:NAME``;
+    ``extra_plugins`` are ``(name, object)`` plugins that are not installed.
+    """
+    recipe = validate_recipe(read_recipe(path, list(overrides)))
+    enable, disable = parse_plugin_flags(plugin_flags)
+    recipe.plugins.enable = list(dict.fromkeys(recipe.plugins.enable + enable))
+    recipe.plugins.disable = list(dict.fromkeys(recipe.plugins.disable + disable))
+    extra_names = {name for name, _ in extra_plugins}
+    try:
+        plugins = PluginSet.load(
+            enable=[n for n in recipe.plugins.enable if n not in extra_names],
+            disable=recipe.plugins.disable,
+            extra=extra_plugins,
+        )
+    except PluginError as exc:
+        raise ConfigError(str(exc)) from None
+    validate_plugin_sections(recipe, plugins)
+    return recipe, plugins
+
+
+def resolved(recipe: Recipe) -> dict[str, Any]:
+    """The full recipe with defaults, plugin sections included, as plain data."""
+    out = recipe.model_dump(mode="json")
+    plugins = out.pop("plugins")
+    sections = {name: {} for name in plugins["enable"]}
+    sections.update({name: m.model_dump(mode="json") for name, m in recipe.plugin_config.items()})
+    out["plugins"] = {**sections, "disable": plugins["disable"], "slots": plugins["slots"],
+                      "order": plugins["order"]}
+    return out
+
+
+def to_yaml(data: dict[str, Any]) -> str:
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+# --------------------------------------------------------------------------
+# Error messages
+# --------------------------------------------------------------------------
+
+
+def explain(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
+    """One line per pydantic error: full key path, what is wrong, what is allowed."""
+    lines = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        path = ".".join(([prefix] if prefix else []) + loc)
+        if err["type"] == "extra_forbidden":
+            allowed = ", ".join(_fields_at(model, err["loc"][:-1])) or "none"
+            lines.append(f"{path}: unknown key (allowed keys: {allowed})")
+        else:
+            got = err.get("input")
+            lines.append(f"{path}: {err['msg']} (got {got!r})")
+    return "invalid recipe:\n  " + "\n  ".join(lines)
+
+
+def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
+    """Names of the fields of the (nested) model reached by ``loc``."""
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def _hooks(kind: str) -> list[str]:
+    return sorted(h for h, k in HOOK_KINDS.items() if k == kind)

@@ -1,0 +1,302 @@
+"""The hook contract of agl_core: every hook a plugin may implement.
+
+A plugin is a module or object with functions named after these hooks and
+marked with ``@agl_core.hookimpl``. The trainer loop (``agl_core/loop.py``)
+calls them in the order of the reference trainer's step. Each hook has exactly
+one *call kind*, written in its docstring and enforced by the plugin manager,
+never left to registration order:
+
+slot
+    Exactly one active implementation is called. When several active plugins
+    implement it, the recipe chooses with ``plugins.slots.<hook>: <plugin>``;
+    a plugin of a third-party distribution takes precedence over a built-in
+    one. No implementation when one is needed, or two third-party candidates
+    and no choice, is an error at start-up that lists the candidates.
+pipeline
+    Every active implementation runs, in an order the recipe may state with
+    ``plugins.order.<hook>: [a, b]`` (otherwise by the plugin's declared
+    ``AGL_ORDER`` number, then name). Each takes the batch and returns the
+    batch. The order is printed at start-up.
+broadcast
+    Every active implementation runs; results are collected per plugin.
+
+Every hook is synchronous: an ``async def`` implementation is refused at load.
+Arguments are passed by keyword; an implementation may accept any subset of a
+hook's arguments, never one it does not declare.
+
+``ctx`` is the :class:`agl_core.context.TrainContext` of the run: the validated
+recipe, the run directory, the step counters and the components registered by
+the active plugins.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import pluggy
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from agl_core.context import TrainContext
+    from agl_core.data import Batch, Rollout, Task
+
+PROJECT = "agl"
+HOOK_API_VERSION = "1.0"
+"""Version of this contract. A plugin declares the version it was written
+against as ``AGL_HOOK_API``; the major numbers must match and the plugin's minor
+number may not be newer than the core's."""
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+
+SLOT, PIPELINE, BROADCAST = "slot", "pipeline", "broadcast"
+
+
+def _kind(kind: str) -> Callable[[Callable], Callable]:
+    def mark(fn: Callable) -> Callable:
+        fn.agl_kind = kind
+        return hookspec(fn)
+
+    return mark
+
+
+slot, pipeline, broadcast = _kind(SLOT), _kind(PIPELINE), _kind(BROADCAST)
+
+
+# --------------------------------------------------------------------------
+# Plugin set-up
+# --------------------------------------------------------------------------
+
+
+@broadcast
+def plugin_config_schema() -> type[BaseModel] | None:
+    """Return the pydantic model of this plugin's recipe section.
+
+    Kind: broadcast, asked of each plugin separately at start-up.
+    The section lives at ``plugins.<plugin name>`` in the recipe. The core
+    validates it with this model (unknown keys are errors) and stores the
+    result in ``ctx.plugin_config[<plugin name>]``. Return ``None`` or do not
+    implement the hook for a plugin without settings.
+    """
+
+
+@broadcast
+def register_estimators(register: Callable[..., None]) -> None:
+    """Register advantage estimators by name.
+
+    Kind: broadcast, called once when the plugin set is built.
+    Call ``register(name, fn, needs_critic=False)`` for each estimator.
+    ``fn(batch, config) -> (advantages, returns)`` receives the step's
+    :class:`~agl_core.data.Batch` and the validated ``algorithm`` section and
+    returns two ``(rows, response_length)`` tensors. A name registered by two
+    plugins is an error naming both.
+    """
+
+
+@broadcast
+def register_policy_losses(register: Callable[..., None]) -> None:
+    """Register policy losses by name (``algorithm.policy_loss.name``).
+
+    Kind: broadcast, called once when the plugin set is built.
+    Call ``register(name, fn)``; ``fn(old_log_prob, log_prob, advantages,
+    response_mask, config) -> (loss, metrics)`` where ``config`` is the
+    ``algorithm.policy_loss`` section. Backends look losses up with
+    ``ctx.components.get("policy_loss", name)``.
+    """
+
+
+@broadcast
+def register_aggregators(register: Callable[..., None]) -> None:
+    """Register trace aggregators (rollouts → batch) by name.
+
+    Kind: broadcast, called once when the plugin set is built.
+    Call ``register(name, factory)``; the aggregator plugin picks the one the
+    recipe names.
+    """
+
+
+@broadcast
+def register_stores(register: Callable[..., None]) -> None:
+    """Register rollout store adapters by name (``rollout.store``).
+
+    Kind: broadcast, called once when the plugin set is built.
+    Call ``register(name, factory)``; ``factory(ctx)`` returns an object of the
+    core ``Store`` protocol.
+    """
+
+
+# --------------------------------------------------------------------------
+# Training lifecycle
+# --------------------------------------------------------------------------
+
+
+@broadcast
+def on_train_start(ctx: TrainContext) -> None:
+    """The run begins: build models, start servers, open files.
+
+    Kind: broadcast, called once before validation and the first step, after a
+    checkpoint (if any) was loaded. A backend that shards data over workers
+    sets ``ctx.world_size`` here (padding and balancing use it).
+    """
+
+
+@broadcast
+def on_train_end(ctx: TrainContext) -> None:
+    """The run ends (also after an error): flush, stop servers, release memory.
+
+    Kind: broadcast, called once; every implementation runs even when an
+    earlier one raised.
+    """
+
+
+@broadcast
+def on_step_start(ctx: TrainContext, step: int) -> None:
+    """A training step begins. ``step`` counts from 1.
+
+    Kind: broadcast. A backend wakes its rollout servers here if it sleeps them.
+    """
+
+
+@broadcast
+def on_step_end(ctx: TrainContext, step: int, metrics: dict[str, float]) -> None:
+    """A training step finished; ``metrics`` is what will be logged for it.
+
+    Kind: broadcast, called after validation and checkpointing of the step and
+    before ``log_metrics``. Implementations may add keys to ``metrics``.
+    """
+
+
+# --------------------------------------------------------------------------
+# The step, in the order the loop calls it
+# --------------------------------------------------------------------------
+
+
+@slot
+def policy_endpoints(ctx: TrainContext) -> list[str]:
+    """Return the base URLs of the OpenAI-compatible servers of the current policy.
+
+    Kind: slot. Called by the rollout plane before it runs agents; a backend
+    returns one URL per serving replica (``http://127.0.0.1:8000/v1``).
+    """
+
+
+@slot
+def collect_rollouts(ctx: TrainContext, tasks: list[Task], mode: str) -> list[Rollout]:
+    """Run the agents on ``tasks`` against the current policy and return the finished rollouts.
+
+    Kind: slot. ``mode`` is ``"train"`` (``rollout.n`` samples per task, for
+    group estimators) or ``"val"``. Returns every rollout that ended,
+    including failed and timed-out ones (their ``status`` says so); it must
+    not hang on a rollout that never finishes. Counts such as
+    ``rollout/n_failed`` may be put in ``ctx.step_metrics``.
+    """
+
+
+@pipeline
+def post_process_batch(ctx: TrainContext, batch: Batch) -> Batch:
+    """Turn rollouts into training rows, then filter them.
+
+    Kind: pipeline. The first batch has no rows and carries the step's
+    rollouts in ``batch.meta["rollouts"]``; the first stage (a trace
+    aggregator) returns a batch with the tensors ``input_ids``,
+    ``attention_mask``, ``position_ids``, ``prompts``, ``responses``,
+    ``response_mask``, ``token_level_scores``, ``is_drop_mask`` and the
+    non-tensor columns ``uid`` (the group of the row), ``rollout_id`` and
+    ``turn_index``. Later stages filter rows (zero-variance groups, rows per
+    rollout, …) and return the batch. Stages may report metrics in
+    ``ctx.step_metrics``.
+    """
+
+
+@slot
+def compute_old_logprob(ctx: TrainContext, batch: Batch) -> Batch:
+    """Return ``batch`` with ``old_log_probs`` (and ``entropys``) of the responses under the current actor.
+
+    Kind: slot. The batch is padded to a multiple of ``ctx.world_size``.
+    Both tensors have the shape of ``responses``. The loop turns ``entropys``
+    into the ``actor/entropy`` metric and drops it.
+    """
+
+
+@slot
+def compute_ref_logprob(ctx: TrainContext, batch: Batch) -> Batch:
+    """Return ``batch`` with ``ref_log_prob``: log-probs under the reference policy.
+
+    Kind: slot. Called only when a KL term is used (``algorithm.use_kl_in_reward``
+    or ``algorithm.policy_loss.use_kl_loss``). A separate frozen model, or the
+    actor with its LoRA adapter disabled.
+    """
+
+
+@slot
+def compute_values(ctx: TrainContext, batch: Batch) -> Batch:
+    """Return ``batch`` with ``values`` from the critic, shape of ``responses``.
+
+    Kind: slot. Called only when the estimator needs a critic (gae).
+    """
+
+
+@slot
+def advantage(ctx: TrainContext, batch: Batch) -> Batch:
+    """Return ``batch`` with ``advantages`` and ``returns`` (shape of ``responses``).
+
+    Kind: slot. Called on the unpadded batch after ``token_level_rewards`` was
+    set (the scores, minus the KL penalty when it is in the reward). The
+    built-in implementation dispatches to the estimator named by
+    ``algorithm.estimator`` among the registered ones.
+    """
+
+
+@slot
+def update_critic(ctx: TrainContext, batch: Batch) -> dict[str, float]:
+    """Update the critic on ``batch``; return its metrics (``critic/vf_loss``, …).
+
+    Kind: slot. Called only when the estimator needs a critic.
+    """
+
+
+@slot
+def update_actor(ctx: TrainContext, batch: Batch) -> dict[str, float]:
+    """Update the actor on ``batch``; return its metrics (``actor/pg_loss``, …).
+
+    Kind: slot. Called once ``trainer.critic_warmup`` steps have passed. The
+    batch size is a multiple of ``algorithm.ppo_mini_batch_size`` and its
+    rows are balanced over ``ctx.world_size``.
+    """
+
+
+@slot
+def validate(ctx: TrainContext, tasks: list[Task]) -> dict[str, float]:
+    """Evaluate the current policy on the validation ``tasks``; return ``val/…`` metrics.
+
+    Kind: slot. Called before training (``trainer.val_before_train``) and every
+    ``trainer.test_freq`` steps. The built-in implementation collects
+    rollouts in ``"val"`` mode and reports their reward statistics.
+    """
+
+
+@broadcast
+def save_checkpoint(ctx: TrainContext, path: str) -> None:
+    """Write this plugin's state (weights, optimizer, …) under the directory ``path``.
+
+    Kind: broadcast. Called every ``trainer.save_freq`` steps and at the end.
+    Each plugin writes its own files; the core writes its own state
+    (step, data position, RNG) and the active plugin set.
+    """
+
+
+@broadcast
+def load_checkpoint(ctx: TrainContext, path: str) -> None:
+    """Restore this plugin's state from the checkpoint directory ``path``.
+
+    Kind: broadcast. Called once before ``on_train_start`` when resuming.
+    """
+
+
+@broadcast
+def log_metrics(ctx: TrainContext, metrics: dict[str, Any], step: int) -> None:
+    """Record the ``metrics`` of ``step`` (console, JSONL, TensorBoard, …).
+
+    Kind: broadcast. Called once per step and once after the validation
+    before training (step 0).
+    """

@@ -1,0 +1,238 @@
+"""The trainer loop: the reference trainer's step and fit, as a sequence of hooks.
+
+Read :meth:`Trainer.train_step` top to bottom: it is the list of stages in
+DESIGN.md. Everything a stage does lives in a hook implementation or a pure
+function; this module only orders them, times them and gathers metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from agl_core import checkpoint
+from agl_core.algorithms.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty
+from agl_core.algorithms.losses import agg_loss
+from agl_core.balance import balance_batch
+from agl_core.batching import drop_marked_rows, shuffle_and_floor
+from agl_core.components import Components
+from agl_core.config import Recipe, resolved, to_yaml
+from agl_core.context import TrainContext
+from agl_core.data import Batch, Task
+from agl_core.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics
+from agl_core.plugins import PluginSet, call
+from agl_core.tasks import TaskSampler, load_tasks
+from agl_core.timing import timer
+from agl_core.wiring import plan
+
+log = logging.getLogger("agl_core")
+
+
+class Trainer:
+    """Runs a recipe with a plugin set. ``train_tasks``/``val_tasks`` replace the recipe's files."""
+
+    def __init__(self, recipe: Recipe, plugins: PluginSet,
+                 train_tasks: list[Task] | None = None, val_tasks: list[Task] | None = None):
+        cfg = recipe
+        seed_everything(cfg.trainer.seed)
+        self.train_tasks = train_tasks if train_tasks is not None else load_tasks(cfg.data.train_files, "train")
+        self.val_tasks = val_tasks if val_tasks is not None else load_tasks(cfg.data.val_files, "val")
+        if cfg.data.val_batch_size:
+            self.val_tasks = self.val_tasks[: cfg.data.val_batch_size]
+        validates = bool(self.val_tasks) and (cfg.trainer.val_before_train or cfg.trainer.test_freq > 0)
+        components = Components.collect(plugins)
+        self.plan = plan(cfg, plugins, components, validates)
+        run_dir = Path(cfg.trainer.run_dir)
+        self.ctx = TrainContext(cfg, plugins, components, run_dir, slots=self.plan.slots)
+        self.sampler = TaskSampler(self.train_tasks, cfg.data.train_batch_size, cfg.data.shuffle, cfg.trainer.seed)
+        self.total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * self.sampler.batches_per_epoch
+        self.rng = np.random.default_rng(cfg.trainer.seed)
+        kl = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = (AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon) if kl.type == "adaptive"
+                        else FixedKLController(kl.kl_coef))
+
+    # ------------------------------------------------------------------ the step
+
+    def train_step(self, tasks: list[Task]) -> dict[str, float]:
+        """One step of the reference trainer (Agent Lightning's ``_train_step``)."""
+        ctx, cfg, plan_ = self.ctx, self.ctx.config, self.plan
+        metrics: dict[str, float] = {}
+        ctx.step_metrics = metrics
+        timing: dict[str, float] = {}
+        with timer("step", timing):
+            with timer("gen", timing):
+                rollouts = ctx.call("collect_rollouts", tasks=tasks, mode="train")
+            with timer("gen_postprocess", timing):
+                batch = self.post_process(Batch(meta={"rollouts": rollouts}))
+            if len(batch) == 0:
+                log.warning("step %d: no trainable rows (all %d rollouts failed or were filtered); "
+                            "skipping the update", ctx.step, len(rollouts))
+                metrics["training/skipped_step"] = 1.0
+                return metrics
+            batch.meta["global_token_num"] = batch["attention_mask"].sum(-1).tolist()
+
+            batch, pad_size = batch.pad_to_divisor(ctx.world_size)
+            with timer("old_log_prob", timing):
+                batch = ctx.call("compute_old_logprob", batch=batch)
+                metrics["actor/entropy"] = agg_loss(
+                    batch["entropys"], batch["response_mask"], cfg.algorithm.policy_loss.loss_agg_mode
+                ).item()
+                del batch.tensors["entropys"]
+            if plan_.needs_ref:
+                with timer("ref", timing):
+                    batch = ctx.call("compute_ref_logprob", batch=batch)
+            if plan_.needs_critic:
+                with timer("values", timing):
+                    batch = ctx.call("compute_values", batch=batch)
+            batch = batch.unpad(pad_size)
+
+            with timer("adv", timing):
+                if cfg.algorithm.use_kl_in_reward:
+                    batch["token_level_rewards"], kl_metrics = apply_kl_penalty(
+                        batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"],
+                        batch["response_mask"], self.kl_ctrl, cfg.algorithm.kl_penalty)
+                    metrics.update(kl_metrics)
+                else:
+                    batch["token_level_rewards"] = batch["token_level_scores"]
+                batch = ctx.call("advantage", batch=batch)
+            metrics.update(compute_data_metrics(batch, plan_.needs_critic, suffix="_before_processing"))
+
+            batch, drop_metrics = drop_marked_rows(batch)
+            metrics.update(drop_metrics)
+            batch, floor_metrics = shuffle_and_floor(batch, cfg.algorithm.ppo_mini_batch_size, self.rng)
+            metrics.update(floor_metrics)
+            if len(batch) == 0:
+                log.warning("step %d: fewer rows than one PPO mini-batch (%d); skipping the update",
+                            ctx.step, cfg.algorithm.ppo_mini_batch_size)
+                metrics["training/skipped_step"] = 1.0
+                return metrics
+            if cfg.trainer.balance_batch:
+                batch, balance_metrics = balance_batch(batch, ctx.world_size)
+                metrics.update(balance_metrics)
+
+            if plan_.needs_critic:
+                with timer("update_critic", timing):
+                    metrics.update(ctx.call("update_critic", batch=batch))
+            if cfg.trainer.critic_warmup <= ctx.step:
+                with timer("update_actor", timing):
+                    metrics.update(ctx.call("update_actor", batch=batch))
+
+        metrics.update(compute_data_metrics(batch, plan_.needs_critic, suffix="_after_processing"))
+        metrics.update(compute_timing_metrics(batch, timing))
+        metrics.update(compute_throughput_metrics(batch, timing, ctx.world_size))
+        return metrics
+
+    def post_process(self, batch: Batch) -> Batch:
+        """Run the ``post_process_batch`` pipeline stage by stage."""
+        for name, stage in self.plan.post_process:
+            batch = call(stage, {"ctx": self.ctx, "batch": batch})
+            if not isinstance(batch, Batch):
+                raise TypeError(f"post_process_batch stage {name!r} returned {type(batch).__name__}, not Batch")
+        if "rollouts" in batch.meta and "input_ids" not in batch:
+            raise RuntimeError("no post_process_batch stage turned the rollouts into rows; "
+                               "enable a trace aggregator plugin (agl-plugin-traces)")
+        return batch
+
+    # ------------------------------------------------------------------ the run
+
+    def fit(self) -> dict[str, float]:
+        """Train for ``total_steps``, validating and checkpointing on schedule; return the last metrics."""
+        ctx, cfg = self.ctx, self.ctx.config.trainer
+        self.prepare_run_dir()
+        self.resume()
+        last: dict[str, float] = {}
+        try:
+            ctx.plugins.broadcast("on_train_start", ctx=ctx)
+            log.info("step plan\n%s", self.plan.describe())
+            if "validate" in ctx.slots and cfg.val_before_train and ctx.step == 0:
+                last = self.validate()
+                self.log(last, step=0)
+                if cfg.val_only:
+                    return last
+            progress = tqdm(total=self.total_steps, initial=ctx.step, desc="Training",
+                            disable=not cfg.progress, dynamic_ncols=True)
+            while ctx.step < self.total_steps:
+                ctx.step += 1
+                tasks = self.sampler.next_batch()
+                ctx.epoch = self.sampler.epoch
+                ctx.plugins.broadcast("on_step_start", ctx=ctx, step=ctx.step)
+                last = self.train_step(tasks)
+                is_last = ctx.step == self.total_steps
+                if "validate" in ctx.slots and cfg.test_freq > 0 and (is_last or ctx.step % cfg.test_freq == 0):
+                    last.update(self.validate())
+                if cfg.save_freq > 0 and (is_last or ctx.step % cfg.save_freq == 0):
+                    self.save_checkpoint()
+                last.update({"training/global_step": ctx.step, "training/epoch": ctx.epoch})
+                ctx.plugins.broadcast("on_step_end", ctx=ctx, step=ctx.step, metrics=last)
+                self.log(last, step=ctx.step)
+                progress.update(1)
+            progress.close()
+        finally:
+            self.end_plugins()
+        return last
+
+    def validate(self) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        with timer("timing_s/validate", metrics):
+            metrics.update(self.ctx.call("validate", tasks=self.val_tasks))
+        return metrics
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.ctx.plugins.broadcast("log_metrics", ctx=self.ctx, metrics=metrics, step=step)
+
+    def end_plugins(self) -> None:
+        """``on_train_end`` of every plugin runs, even when one of them raises."""
+        errors = []
+        for name, fn in self.ctx.plugins.implementations("on_train_end"):
+            try:
+                call(fn, {"ctx": self.ctx})
+            except Exception as exc:
+                errors.append(f"{name}: {exc!r}")
+        if errors:
+            log.error("on_train_end failed in: %s", "; ".join(errors))
+
+    # ------------------------------------------------------- run dir, checkpoints
+
+    def prepare_run_dir(self) -> None:
+        """Write the resolved recipe and the active plugin set into the run directory."""
+        run_dir = self.ctx.run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(resolved(self.ctx.config)))
+        (run_dir / checkpoint.MANIFEST).write_text(json.dumps(self.ctx.plugins.manifest(), indent=2))
+
+    def save_checkpoint(self) -> Path:
+        ctx = self.ctx
+        state = {"sampler": self.sampler.state_dict(), "loop_rng": self.rng.bit_generator.state,
+                 "kl_coef": self.kl_ctrl.value}
+        return checkpoint.save(ctx.run_dir, ctx.step, state, ctx.plugins.manifest(),
+                               lambda path: ctx.plugins.broadcast("save_checkpoint", ctx=ctx, path=path))
+
+    def resume(self) -> None:
+        """Load the checkpoint named by ``trainer.resume`` (``auto``: the latest one, if any)."""
+        mode = self.ctx.config.trainer.resume
+        if mode == "never":
+            return
+        path = checkpoint.latest_checkpoint(self.ctx.run_dir) if mode == "auto" else Path(mode)
+        if path is None:
+            return
+        state = checkpoint.load(path)
+        self.ctx.step = state["step"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.ctx.epoch = self.sampler.epoch
+        self.rng.bit_generator.state = state["loop_rng"]
+        self.kl_ctrl.value = state["kl_coef"]
+        self.ctx.plugins.broadcast("load_checkpoint", ctx=self.ctx, path=str(path))
+        log.info("resumed from %s at step %d", path, self.ctx.step)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch so a run is reproducible from its recipe."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
