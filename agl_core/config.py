@@ -22,7 +22,7 @@ from typing import Any, Literal
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from agl_core.plugins import HOOK_KINDS, RESERVED_NAMES, PluginError, PluginSet, parse_plugin_flags
 
@@ -80,6 +80,12 @@ class AlgorithmConfig(Section):
     policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
     ppo_mini_batch_size: int = Field(8, ge=1, description="rows per PPO mini-batch")
     ppo_epochs: int = Field(1, ge=1)
+
+    @field_validator("estimator")
+    @classmethod
+    def canonical_estimator(cls, name: str) -> str:
+        """``reinforce++-baseline`` and ``grpo-passk`` mean verl's ``reinforce_plus_plus_baseline``, ``grpo_passk``."""
+        return name.replace("++", "_plus_plus").replace("-", "_")
 
 
 class TrainerConfig(Section):

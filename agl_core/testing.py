@@ -1,0 +1,82 @@
+"""pytest plugin for plugin authors (loaded automatically through the ``pytest11`` entry point).
+
+Fixtures:
+
+``plugin_distribution``
+    Installs a real plugin distribution for the test: a module plus a
+    ``.dist-info`` with its ``agl_core.plugins`` entry points, on ``sys.path``,
+    so discovery goes through importlib-metadata exactly as for a pip install.
+``make_recipe``
+    Builds a validated recipe (with its run directory in ``tmp_path``) and the
+    plugin set it asks for.
+
+and the contract check :func:`check_plugin`, which loads a plugin object the way
+the CLI does and fails with the plugin manager's message if it is refused.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from agl_core.config import Recipe, load
+from agl_core.plugins import Plugin, PluginError, PluginSet
+
+
+def write_distribution(root: Path, dist_name: str, version: str, modules: dict[str, str],
+                       entry_points: dict[str, str]) -> None:
+    """Write modules and a ``<dist>-<version>.dist-info`` under ``root`` (a ``sys.path`` entry).
+
+    ``modules`` maps module names to source code; ``entry_points`` maps plugin
+    names to ``module:attribute`` (or ``module``) targets.
+    """
+    for module, source in modules.items():
+        (root / f"{module}.py").write_text(textwrap.dedent(source))
+    info = root / f"{dist_name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: {version}\n")
+    lines = "".join(f"{name} = {target}\n" for name, target in entry_points.items())
+    (info / "entry_points.txt").write_text(f"[agl_core.plugins]\n{lines}")
+    (info / "RECORD").write_text("")
+
+
+@pytest.fixture
+def plugin_distribution(tmp_path, monkeypatch) -> Callable[..., Path]:
+    """Factory: ``plugin_distribution(dist_name, modules, entry_points, version="1.0")`` → its root."""
+    counter = iter(range(1_000_000))
+
+    def make(dist_name: str, modules: dict[str, str], entry_points: dict[str, str], version: str = "1.0") -> Path:
+        root = tmp_path / f"site-{next(counter)}"
+        root.mkdir()
+        write_distribution(root, dist_name, version, modules, entry_points)
+        monkeypatch.syspath_prepend(str(root))  # also invalidates the import and metadata caches
+        for module in modules:
+            monkeypatch.delitem(__import__("sys").modules, module, raising=False)
+        return root
+
+    return make
+
+
+@pytest.fixture
+def make_recipe(tmp_path) -> Callable[..., tuple[Recipe, PluginSet]]:
+    """Factory: ``make_recipe(overrides=[...], plugins=[(name, obj)], flags=[...])`` → (recipe, plugin set).
+
+    The run directory is ``tmp_path/run`` unless an override sets it.
+    """
+
+    def make(overrides: list[str] = (), plugins: list[tuple[str, Any]] = (), flags: list[str] = ()):
+        overrides = [f"trainer.run_dir={tmp_path / 'run'}", "trainer.progress=false", *overrides]
+        return load(None, overrides, list(flags), extra_plugins=list(plugins))
+
+    return make
+
+
+def check_plugin(obj: Any, name: str = "plugin") -> Plugin:
+    """Load ``obj`` as the CLI would; raise PluginError with the manager's reason if refused."""
+    plugin = PluginSet.load(extra=[(name, obj)]).plugins[name]
+    if plugin.status != "active":
+        raise PluginError(f"plugin {name!r} was refused: {plugin.reason}")
+    return plugin
