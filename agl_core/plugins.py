@@ -227,7 +227,7 @@ class PluginSet:
     def implementations(self, hook: str) -> list[tuple[str, Callable]]:
         """(plugin name, function) of every active implementation of ``hook``, in registration order."""
         impls = getattr(self.manager.hook, hook).get_hookimpls()
-        return [(impl.plugin_name, impl.function) for impl in reversed(impls)]
+        return [(impl.plugin_name, impl.function) for impl in impls]
 
     def resolve_slot(self, hook: str, choice: str | None = None,
                      required: bool = True) -> tuple[str, Callable] | None:

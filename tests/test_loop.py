@@ -35,8 +35,8 @@ class Recorder:
         return batch
 
 
-def trainer(make_recipe, overrides, tasks=TASKS, val=VAL, recorder=None):
-    base = ["plugins.instant.world_size=2", "data.train_batch_size=6", "data.max_prompt_length=8",
+def trainer(make_recipe, overrides, tasks=TASKS, val=VAL, recorder=None, batch_size=6):
+    base = ["plugins.instant.world_size=2", f"data.train_batch_size={batch_size}", "data.max_prompt_length=8",
             "data.max_response_length=4", "rollout.n=4", "algorithm.ppo_mini_batch_size=8",
             "trainer.val_before_train=false"]
     plugins = [("recorder", recorder)] if recorder else []
@@ -92,7 +92,7 @@ def test_one_step_through_every_hook_with_drop_floor_and_pad(make_recipe):
 
 
 def test_grpo_advantages_reach_the_actor(make_recipe):
-    t = trainer(make_recipe, ["algorithm.ppo_mini_batch_size=1", "trainer.balance_batch=false"], tasks=TASKS[1:])
+    t = trainer(make_recipe, ["algorithm.ppo_mini_batch_size=1", "trainer.balance_batch=false"], tasks=TASKS[1:], batch_size=5)
     seen = []
     owner, update_actor = t.ctx.slots["update_actor"]
     t.ctx.slots["update_actor"] = (owner, lambda ctx, batch: seen.append(batch) or update_actor(ctx, batch))
@@ -112,7 +112,7 @@ def test_grpo_advantages_reach_the_actor(make_recipe):
 
 def test_critic_path_with_gae_and_warmup(make_recipe):
     t = trainer(make_recipe, ["algorithm.estimator=gae", "trainer.total_steps=2", "trainer.critic_warmup=2"],
-                tasks=TASKS[1:])
+                tasks=TASKS[1:], batch_size=5)
     metrics = t.fit()
     state = t.ctx.state["instant"]
     assert state.calls.count("compute_values") == 2 and state.calls.count("update_critic") == 2
@@ -171,7 +171,7 @@ def test_epochs_set_total_steps(make_recipe):
 
 
 def test_no_aggregator_stage_is_a_clear_error(make_recipe):
-    recipe, pset = make_recipe(["plugins.instant.world_size=1", "trainer.val_before_train=false"],
+    recipe, pset = make_recipe(["data.train_batch_size=6", "trainer.val_before_train=false"],
                                flags=["instant"])
     t = Trainer(recipe, pset, train_tasks=TASKS, val_tasks=[])
     t.plan.post_process = []
@@ -181,7 +181,7 @@ def test_no_aggregator_stage_is_a_clear_error(make_recipe):
 
 def test_the_instant_policy_learns(make_recipe):
     t = trainer(make_recipe, ["trainer.total_steps=25", "trainer.test_freq=25", "algorithm.ppo_epochs=2",
-                              "trainer.val_before_train=true"], tasks=TASKS[1:])
+                              "trainer.val_before_train=true"], tasks=TASKS[1:], batch_size=5)
     t.fit()
     logged = read_metrics(t.ctx.run_dir)
     assert logged[0]["val/reward/mean"] < 0.5
