@@ -92,6 +92,10 @@ class Rollout(_Record):
     triplets: list[Triplet] = Field(default_factory=list, description="Triplets, when the producer already has them.")
     error: str | None = Field(None, description="Why the rollout failed or timed out.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Free-form metadata.")
+    attempt_id: str | None = Field(None, description="Attempt whose spans these are (the last one run).")
+    attempts: int = Field(0, ge=0, description="Attempts started: 1, plus one per requeue after a lost lease.")
+    start_time: float | None = Field(None, description="Start of the last attempt, seconds since the epoch.")
+    end_time: float | None = Field(None, description="End of the rollout, seconds since the epoch.")
 
 
 # ---------------------------------------------------------------------------- Batch
