@@ -98,39 +98,38 @@ def _workload(seqlens: np.ndarray) -> np.ndarray:
     return 24576 * seqlens + seqlens**2
 
 
-def balance_batch(batch: Batch, world_size: int) -> tuple[Batch, dict[str, float]]:
-    """Reorder rows so each of ``world_size`` equal contiguous chunks carries a near-equal workload.
+def balanced_order(seqlens: Sequence[float] | np.ndarray, world_size: int) -> tuple[np.ndarray, dict[str, float]]:
+    """A row order in which each of ``world_size`` equal contiguous chunks carries a near-equal workload.
 
-    Same order and metrics as verl 0.9.1's ``RayPPOTrainer._balance_batch``
-    (without prefix grouping or mini-batch-preserving balancing): rows are
-    partitioned by ``balanced_partitions`` on verl's workload estimate
-    ``24576 * s + s**2`` of each row's valid tokens ``s``
-    (``attention_mask.sum``), and within a chunk the rows are arranged
-    small-large-small to shorten pipeline bubbles. With ``world_size`` 1 the
-    order is kept as is. Metrics, over per-chunk sums of valid tokens:
+    ``seqlens`` are the rows' valid tokens (``attention_mask.sum(-1)``);
+    select the batch's rows in the returned order. Same order and metrics
+    as verl 0.9.1's ``RayPPOTrainer._balance_batch`` (without prefix
+    grouping or mini-batch-preserving balancing): rows are partitioned by
+    ``balanced_partitions`` on verl's workload estimate ``24576 * s + s**2``,
+    and within a chunk the rows are arranged small-large-small to shorten
+    pipeline bubbles. With ``world_size`` 1 the order is kept as is.
+    Metrics, over per-chunk sums of valid tokens:
     ``global_seqlen/{min,max,minmax_diff}`` of the chunks before balancing,
     ``global_seqlen/{balanced_min,balanced_max}`` after, and
-    ``global_seqlen/mean``. An empty batch is returned unchanged with no metrics.
+    ``global_seqlen/mean``. No rows give an empty order and no metrics.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    n = len(batch)
+    seqlens = np.asarray(seqlens)
+    n = len(seqlens)
     if n == 0:
-        return batch.select(slice(None)), {}
+        return np.empty(0, dtype=np.int64), {}
     if n % world_size:
         raise ValueError(f"cannot balance {n} rows over {world_size} ranks: pad or floor the batch "
                          f"to a multiple of {world_size} first")
-    seqlens = batch["attention_mask"].reshape(n, -1).sum(-1).cpu().numpy()
     if world_size == 1:
-        partitions = [list(range(n))]
-        balanced = batch.select(slice(None))
+        partitions = [np.arange(n)]
     else:
         workload = _workload(seqlens)
         partitions = balanced_partitions(workload, world_size, equal_size=True)
         for i, part in enumerate(partitions):
             part.sort(key=lambda row: (workload[row], row))
             partitions[i] = part[::2] + part[1::2][::-1]
-        balanced = batch.select(np.concatenate(partitions))
     before = seqlens.reshape(world_size, -1).sum(-1)
     after = np.array([seqlens[part].sum() for part in partitions])
     metrics = {
@@ -141,4 +140,4 @@ def balance_batch(batch: Batch, world_size: int) -> tuple[Batch, dict[str, float
         "global_seqlen/balanced_max": after.max(),
         "global_seqlen/mean": before.sum() / world_size,
     }
-    return balanced, {key: float(value) for key, value in metrics.items()}
+    return np.concatenate(partitions).astype(np.int64), {key: float(value) for key, value in metrics.items()}

@@ -1,27 +1,26 @@
-"""The row filters the loop applies after advantages, as the reference trainer does."""
+"""The row filters the loop applies after advantages, as the reference trainer does.
+
+They work on row numbers, not on the batch: the loop composes drop, floor and
+balance into one index and selects the rows once.
+"""
 
 from __future__ import annotations
 
 import numpy as np
-
-from agl_core.data import Batch
-
-
-def drop_marked_rows(batch: Batch) -> tuple[Batch, dict[str, float]]:
-    """Remove rows whose ``is_drop_mask`` is set (prompt over the length limit)."""
-    keep = (~batch["is_drop_mask"].bool()).nonzero(as_tuple=True)[0]
-    metrics = {"training/n_triplets_prompt_too_long": float(len(batch) - len(keep))}
-    if len(keep) == len(batch):
-        return batch, metrics
-    return batch[keep], metrics
+import torch
 
 
-def shuffle_and_floor(batch: Batch, multiple: int, rng: np.random.Generator) -> tuple[Batch, dict[str, float]]:
-    """Shuffle the rows and keep the largest multiple of ``multiple`` (the PPO mini-batch).
+def rows_to_keep(is_drop_mask: torch.Tensor) -> tuple[np.ndarray, dict[str, float]]:
+    """Row numbers whose ``is_drop_mask`` is not set (it marks prompts over the length limit)."""
+    keep = np.flatnonzero(~is_drop_mask.bool().numpy())
+    return keep, {"training/n_triplets_prompt_too_long": float(len(is_drop_mask) - len(keep))}
+
+
+def shuffle_and_floor(rows: np.ndarray, multiple: int, rng: np.random.Generator) -> tuple[np.ndarray, dict[str, float]]:
+    """``rows`` shuffled, then cut to the largest multiple of ``multiple`` (the PPO mini-batch).
 
     Shuffling first makes the dropped remainder a random subset, not always
     the last rollouts.
     """
-    kept = len(batch) // multiple * multiple
-    order = rng.permutation(len(batch))[:kept]
-    return batch[order], {"training/n_triplets_dropped_remainder": float(len(batch) - kept)}
+    kept = len(rows) // multiple * multiple
+    return rng.permutation(rows)[:kept], {"training/n_triplets_dropped_remainder": float(len(rows) - kept)}

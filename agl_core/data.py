@@ -192,11 +192,15 @@ class Batch:
     skips the length check.
 
     Operations that select rows return a new Batch whose ``meta`` is a
-    shallow copy; slices share memory with the source (views), other
-    selections copy the selected rows.
+    shallow copy; slices share memory with the source (views). Other
+    selections are lazy: the new batch records the row index and gathers a
+    tensor column the first time it is read (``batch["x"]``, ``tensors``), so
+    a chain of selections costs one copy per column that is actually used,
+    and none for a column nobody reads. Until then it keeps the source
+    tensors alive and sees in-place writes to them.
     """
 
-    __slots__ = ("meta", "non_tensors", "tensors")
+    __slots__ = ("_pending", "_td", "meta", "non_tensors")
 
     def __init__(
         self,
@@ -225,7 +229,8 @@ class Batch:
                 first, n = name, value.shape[0]
             elif value.shape[0] != n:
                 raise ValueError(f"column {name!r} has length {value.shape[0]}, but column {first!r} has length {n}")
-        self.tensors = _tensordict(columns, n, device)
+        self._td = _tensordict(columns, n, device)
+        self._pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.non_tensors = arrays
         self.meta = dict(meta or {})
 
@@ -235,25 +240,51 @@ class Batch:
         return cls()
 
     def _derive(self, columns: dict[str, torch.Tensor], arrays: dict[str, np.ndarray], n: int,
-                meta: dict[str, Any] | None = None) -> Batch:
+                meta: dict[str, Any] | None = None,
+                pending: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> Batch:
         # Internal constructor for already-consistent columns: no validation, no copies.
         out = type(self).__new__(type(self))
-        out.tensors = _tensordict(columns, n, self.tensors.device)
+        out._td = _tensordict(columns, n, self._td.device)
+        out._pending = pending or {}
         out.non_tensors = arrays
         out.meta = dict(self.meta) if meta is None else meta
         return out
 
+    @property
+    def tensors(self) -> TensorDict:
+        """The tensor columns (TensorDict, batch_size ``[N]``); gathers every column still pending."""
+        for name in list(self._pending):
+            self._gather(name)
+        return self._td
+
+    def _gather(self, name: str) -> torch.Tensor:
+        source, rows = self._pending.pop(name)
+        value = source.index_select(0, rows.to(source.device))
+        self._td[name] = value
+        return value
+
+    def pop(self, name: str) -> torch.Tensor | np.ndarray:
+        """Remove column ``name`` and return it."""
+        if name in self.non_tensors:
+            return self.non_tensors.pop(name)
+        if name in self._pending:
+            value = self._gather(name)
+        else:
+            value = self[name]
+        del self._td[name]
+        return value
+
     # ------------------------------------------------------------ columns
 
     def __len__(self) -> int:
-        return self.tensors.batch_size[0]
+        return self._td.batch_size[0]
 
     def keys(self) -> list[str]:
         """Column names: tensor columns first, then non-tensor columns."""
-        return [*self.tensors.keys(), *self.non_tensors]
+        return [*self._td.keys(), *self._pending, *self.non_tensors]
 
     def __contains__(self, name: object) -> bool:
-        return name in self.non_tensors or name in self.tensors.keys()
+        return name in self.non_tensors or name in self._pending or name in self._td.keys()
 
     def __getitem__(self, key: Any) -> Any:
         """``batch["col"]``: the column (tensor or array). Anything else: ``select(key)``."""
@@ -261,7 +292,9 @@ class Batch:
             return self.select(key)
         if key in self.non_tensors:
             return self.non_tensors[key]
-        value = self.tensors.get(key, None)
+        if key in self._pending:
+            return self._gather(key)
+        value = self._td.get(key, None)
         if value is None:
             raise KeyError(f"no column {key!r}; the batch has {self.keys()}")
         return value
@@ -278,19 +311,21 @@ class Batch:
         others = [key for key in self.keys() if key != name]
         if not others:
             # No other column pins the length: this one defines it.
-            self.tensors = _tensordict({}, value.shape[0], self.tensors.device)
+            self._td = _tensordict({}, value.shape[0], self._td.device)
         elif value.shape[0] != len(self):
             raise ValueError(f"column {name!r} has length {value.shape[0]}, but the batch has {len(self)} rows")
+        self._pending.pop(name, None)
         if is_tensor:
             self.non_tensors.pop(name, None)
-            self.tensors[name] = value
+            self._td[name] = value
         else:
-            if name in self.tensors.keys():
-                del self.tensors[name]
+            if name in self._td.keys():
+                del self._td[name]
             self.non_tensors[name] = value
 
     def __repr__(self) -> str:
-        tensors = {k: f"{tuple(v.shape)} {v.dtype}" for k, v in self.tensors.items()}
+        tensors = {k: f"{tuple(v.shape)} {v.dtype}" for k, v in self._td.items()}
+        tensors.update({k: f"{(len(self), *v.shape[1:])} {v.dtype} (pending)" for k, (v, _) in self._pending.items()})
         return (f"Batch(len={len(self)}, tensors={tensors}, non_tensors={list(self.non_tensors)}, "
                 f"meta={list(self.meta)})")
 
@@ -299,23 +334,25 @@ class Batch:
     def select(self, index: int | slice | Sequence[int] | Sequence[bool] | np.ndarray | torch.Tensor) -> Batch:
         """Rows picked by ``index`` (int, slice, int list/array/tensor, or bool mask), in that order.
 
-        A slice with a positive step returns views; any other index copies the rows (one
-        ``index_select`` per tensor, several times faster than advanced
-        indexing on CPU). Negative indices count from the end.
+        A slice with a positive step returns views. Any other index is lazy:
+        each tensor column is gathered (one ``index_select``, several times
+        faster than advanced indexing on CPU) when it is first read.
+        Negative indices count from the end.
         """
         if isinstance(index, slice) and (index.step is None or index.step > 0):
-            return self._derive({k: v[index] for k, v in self.tensors.items()},
+            return self._derive({k: v[index] for k, v in self._td.items()},
                                 {k: v[index] for k, v in self.non_tensors.items()},
-                                len(range(*index.indices(len(self)))))
-        rows = _row_indices(index, len(self))
-        rows_t = torch.from_numpy(rows)
-        by_device: dict[torch.device, torch.Tensor] = {rows_t.device: rows_t}
-        columns = {}
-        for name, value in self.tensors.items():
-            if value.device not in by_device:
-                by_device[value.device] = rows_t.to(value.device)
-            columns[name] = value.index_select(0, by_device[value.device])
-        return self._derive(columns, {k: v[rows] for k, v in self.non_tensors.items()}, rows.shape[0])
+                                len(range(*index.indices(len(self)))),
+                                pending={k: (src, rows[index]) for k, (src, rows) in self._pending.items()})
+        rows = torch.from_numpy(_row_indices(index, len(self)))
+        pending = {name: (value, rows) for name, value in self._td.items()}
+        composed: dict[int, torch.Tensor] = {}  # columns selected together share one composed index
+        for name, (source, source_rows) in self._pending.items():
+            if id(source_rows) not in composed:
+                composed[id(source_rows)] = source_rows[rows]
+            pending[name] = (source, composed[id(source_rows)])
+        arrays = {k: v[rows.numpy()] for k, v in self.non_tensors.items()}
+        return self._derive({}, arrays, rows.shape[0], pending=pending)
 
     def reorder(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> Batch:
         """The batch with its rows permuted: row ``i`` of the result is row ``indices[i]``.
@@ -375,8 +412,7 @@ class Batch:
         pad_size = -len(self) % k
         if pad_size == 0:
             return self.select(slice(None)), 0
-        whole, rest = divmod(pad_size, len(self))
-        return Batch.concat([self] * (1 + whole) + [self.select(slice(0, rest))]), pad_size
+        return self.select(np.arange(len(self) + pad_size) % len(self)), pad_size
 
     def unpad(self, pad_size: int) -> Batch:
         """Drop the last ``pad_size`` rows (view), undoing ``pad_to_divisor``; verl's ``unpad_dataproto``."""

@@ -19,13 +19,13 @@ from tqdm import tqdm
 from agl_core import checkpoint
 from agl_core.algorithms.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty
 from agl_core.algorithms.losses import agg_loss
-from agl_core.balance import balance_batch
-from agl_core.batching import drop_marked_rows, shuffle_and_floor
+from agl_core.balance import balanced_order
+from agl_core.batching import rows_to_keep, shuffle_and_floor
 from agl_core.components import Components
 from agl_core.config import Recipe, resolved, to_yaml
 from agl_core.context import TrainContext
 from agl_core.data import Batch, Task
-from agl_core.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics
+from agl_core.metrics import compute_throughput_metrics, compute_timing_metrics, row_statistics, summarize
 from agl_core.plugins import PluginSet, call
 from agl_core.tasks import TaskSampler, load_tasks
 from agl_core.timing import timer
@@ -83,7 +83,7 @@ class Trainer:
                 metrics["actor/entropy"] = agg_loss(
                     batch["entropys"], batch["response_mask"], cfg.algorithm.policy_loss.loss_agg_mode
                 ).item()
-                del batch.tensors["entropys"]
+                batch.pop("entropys")
             if plan_.needs_ref:
                 with timer("ref", timing):
                     batch = ctx.call("compute_ref_logprob", batch=batch)
@@ -101,20 +101,24 @@ class Trainer:
                 else:
                     batch["token_level_rewards"] = batch["token_level_scores"]
                 batch = ctx.call("advantage", batch=batch)
-            metrics.update(compute_data_metrics(batch, plan_.needs_critic, suffix="_before_processing"))
+            stats = row_statistics(batch, plan_.needs_critic)
+            metrics.update(summarize(stats, suffix="_before_processing"))
 
-            batch, drop_metrics = drop_marked_rows(batch)
+            rows, drop_metrics = rows_to_keep(batch["is_drop_mask"])
             metrics.update(drop_metrics)
-            batch, floor_metrics = shuffle_and_floor(batch, cfg.algorithm.ppo_mini_batch_size, self.rng)
+            rows, floor_metrics = shuffle_and_floor(rows, cfg.algorithm.ppo_mini_batch_size, self.rng)
             metrics.update(floor_metrics)
-            if len(batch) == 0:
+            if len(rows) == 0:
                 log.warning("step %d: fewer rows than one PPO mini-batch (%d); skipping the update",
                             ctx.step, cfg.algorithm.ppo_mini_batch_size)
                 metrics["training/skipped_step"] = 1.0
                 return metrics
             if cfg.trainer.balance_batch:
-                batch, balance_metrics = balance_batch(batch, ctx.world_size)
+                seqlens = (stats["prompt_length"] + stats["response_length"]).long().numpy()
+                order, balance_metrics = balanced_order(seqlens[rows], ctx.world_size)
+                rows = rows[order]
                 metrics.update(balance_metrics)
+            batch, stats = batch[rows], stats[rows]
 
             if plan_.needs_critic:
                 with timer("update_critic", timing):
@@ -123,8 +127,9 @@ class Trainer:
                 with timer("update_actor", timing):
                     metrics.update(ctx.call("update_actor", batch=batch))
 
-        metrics.update(compute_data_metrics(batch, plan_.needs_critic, suffix="_after_processing"))
-        metrics.update(compute_timing_metrics(batch, timing))
+        metrics.update(summarize(stats, suffix="_after_processing"))
+        metrics.update(compute_timing_metrics(timing, stats["prompt_length"].sum().item(),
+                                              stats["response_length"].sum().item()))
         metrics.update(compute_throughput_metrics(batch, timing, ctx.world_size))
         return metrics
 

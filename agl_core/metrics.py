@@ -12,7 +12,8 @@ import torch
 
 from agl_core.data import Batch
 
-__all__ = ["compute_data_metrics", "compute_throughput_metrics", "compute_timing_metrics"]
+__all__ = ["compute_data_metrics", "compute_throughput_metrics", "compute_timing_metrics", "row_statistics",
+           "summarize"]
 
 
 def _lengths(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, int, int]:
@@ -31,20 +32,74 @@ def _lengths(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     return prompt_length, response_length, max_prompt_length, max_response_length
 
 
-def _add_stats(stats: dict[str, torch.Tensor], name: str, values: torch.Tensor) -> None:
-    if values.numel() == 0:
-        # verl reports NaN rather than failing when nothing is selected.
-        nan = torch.tensor(float("nan"), device=values.device)
-        stats.update({f"{name}/mean": nan, f"{name}/max": nan, f"{name}/min": nan})
-    else:
-        stats.update({f"{name}/mean": values.mean(), f"{name}/max": values.max(), f"{name}/min": values.min()})
+def row_statistics(batch: Batch, use_critic: bool) -> Batch:
+    """Per-row sums, extremes and counts from which the data metrics of any subset of rows follow.
+
+    One pass over the ``(N, R)`` columns; :func:`summarize` then turns the
+    statistics of any selection of rows into metrics without touching the
+    big tensors again (the loop reports the same metrics before and after
+    dropping and flooring rows). Tokens count when the response part of
+    ``attention_mask`` is set.
+    """
+    prompt_length, response_length, max_prompt_length, max_response_length = _lengths(batch)
+    valid = batch["attention_mask"][:, max_prompt_length:].bool()
+    columns = {
+        "score": batch["token_level_scores"].sum(-1),
+        "reward": batch["token_level_rewards"].sum(-1),
+        "prompt_length": prompt_length,
+        "response_length": response_length,
+        "n_valid": valid.sum(-1, dtype=torch.float64),
+    }
+    token_columns = ["advantages", "returns"] + (["values"] if use_critic else [])
+    for name in token_columns:
+        x = batch[name]
+        columns[f"{name}_sum"] = torch.where(valid, x, 0).sum(-1, dtype=torch.float64)
+        columns[f"{name}_max"] = torch.where(valid, x, -torch.inf).amax(-1)
+        columns[f"{name}_min"] = torch.where(valid, x, torch.inf).amin(-1)
+    if use_critic:
+        returns = torch.where(valid, batch["returns"], 0).double()
+        diff = returns - torch.where(valid, batch["values"], 0).double()
+        columns["returns_sq_sum"] = (returns * returns).sum(-1)
+        columns["diff_sum"] = diff.sum(-1)
+        columns["diff_sq_sum"] = (diff * diff).sum(-1)
+    meta = {"max_prompt_length": max_prompt_length, "max_response_length": max_response_length,
+            "use_critic": use_critic}
+    return Batch(columns, meta=meta)
 
 
-def _to_floats(stats: dict[str, torch.Tensor], suffix: str) -> dict[str, float]:
-    # One device-to-host transfer for all statistics instead of one .item() each;
-    # float64 holds every float32/int value exactly, so the numbers equal verl's .item().
-    values = torch.stack([value.to(torch.float64) for value in stats.values()]).tolist()
-    return {key + suffix: value for key, value in zip(stats, values)}
+def summarize(stats: Batch, suffix: str = "") -> dict[str, float]:
+    """The data metrics of the rows in ``stats`` (see :func:`compute_data_metrics`); ``{}`` when empty."""
+    if len(stats) == 0:
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    for key, name in (("critic/score", "score"), ("critic/rewards", "reward"),
+                      ("response_length", "response_length"), ("prompt_length", "prompt_length")):
+        values = stats[name]
+        out.update({f"{key}/mean": values.mean(), f"{key}/max": values.max(), f"{key}/min": values.min()})
+    n = stats["n_valid"].sum()
+    nan = torch.tensor(float("nan"), dtype=torch.float64)
+    names = ["advantages", "returns"] + (["values"] if stats.meta["use_critic"] else [])
+    for name in names:
+        if n > 0:
+            out.update({f"critic/{name}/mean": stats[f"{name}_sum"].sum() / n,
+                        f"critic/{name}/max": stats[f"{name}_max"].max(),
+                        f"critic/{name}/min": stats[f"{name}_min"].min()})
+        else:  # verl reports NaN rather than failing when no token is selected
+            out.update({f"critic/{name}/{stat}": nan for stat in ("mean", "max", "min")})
+    if stats.meta["use_critic"]:
+        out["critic/vf_explained_var"] = 1.0 - _variance(stats["diff_sum"], stats["diff_sq_sum"], n) / (
+            _variance(stats["returns_sum"], stats["returns_sq_sum"], n) + 1e-5)
+    out["response_length/clip_ratio"] = (stats["response_length"] == stats.meta["max_response_length"]).double().mean()
+    out["prompt_length/clip_ratio"] = (stats["prompt_length"] == stats.meta["max_prompt_length"]).double().mean()
+    # One device-to-host transfer for all statistics instead of one .item() each.
+    values = torch.stack([value.to(torch.float64) for value in out.values()]).tolist()
+    return {key + suffix: value for key, value in zip(out, values)}
+
+
+def _variance(row_sums: torch.Tensor, row_sq_sums: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Unbiased variance over all tokens from per-row sums of x and x² (torch.var's definition)."""
+    total = row_sums.sum()
+    return (row_sq_sums.sum() - total * total / n) / (n - 1)
 
 
 def compute_data_metrics(batch: Batch, use_critic: bool, suffix: str = "") -> dict[str, float]:
@@ -66,42 +121,19 @@ def compute_data_metrics(batch: Batch, use_critic: bool, suffix: str = "") -> di
     """
     if len(batch) == 0:
         return {}
-    prompt_length, response_length, max_prompt_length, max_response_length = _lengths(batch)
-    valid = batch["attention_mask"][:, max_prompt_length:].bool()
-    valid_returns = torch.masked_select(batch["returns"], valid)
-    stats: dict[str, torch.Tensor] = {}
-    _add_stats(stats, "critic/score", batch["token_level_scores"].sum(-1))
-    _add_stats(stats, "critic/rewards", batch["token_level_rewards"].sum(-1))
-    _add_stats(stats, "critic/advantages", torch.masked_select(batch["advantages"], valid))
-    _add_stats(stats, "critic/returns", valid_returns)
-    if use_critic:
-        valid_values = torch.masked_select(batch["values"], valid)
-        _add_stats(stats, "critic/values", valid_values)
-        if valid_values.numel():
-            explained = 1.0 - torch.var(valid_returns - valid_values) / (torch.var(valid_returns) + 1e-5)
-        else:
-            explained = torch.tensor(float("nan"), device=valid_values.device)
-        stats["critic/vf_explained_var"] = explained
-    _add_stats(stats, "response_length", response_length)
-    stats["response_length/clip_ratio"] = torch.eq(response_length, max_response_length).float().mean()
-    _add_stats(stats, "prompt_length", prompt_length)
-    stats["prompt_length/clip_ratio"] = torch.eq(prompt_length, max_prompt_length).float().mean()
-    return _to_floats(stats, suffix)
+    return summarize(row_statistics(batch, use_critic), suffix)
 
 
-def compute_timing_metrics(batch: Batch, timing_raw: dict[str, float]) -> dict[str, float]:
+def compute_timing_metrics(timing_raw: dict[str, float], prompt_tokens: float,
+                           response_tokens: float) -> dict[str, float]:
     """``timing_s/{stage}`` for every stage and ``timing_per_token_ms/{stage}`` for the known ones.
 
-    Same keys and values as verl's ``compute_timing_metrics``: ``gen`` is
+    Same keys and values as verl's ``compute_timing_metrics`` for a batch
+    with ``prompt_tokens`` and ``response_tokens`` valid tokens: ``gen`` is
     normalized by response tokens; ``ref``, ``values``, ``adv``,
     ``update_critic`` and ``update_actor`` by prompt + response tokens;
     0.0 when there are no tokens (an empty batch).
     """
-    if len(batch) == 0:
-        prompt_tokens = response_tokens = 0.0
-    else:
-        prompt_length, response_length, _, _ = _lengths(batch)
-        prompt_tokens, response_tokens = torch.stack([prompt_length.sum(), response_length.sum()]).tolist()
     all_tokens = prompt_tokens + response_tokens
     tokens_of = {"gen": response_tokens, **dict.fromkeys(["ref", "values", "adv", "update_critic", "update_actor"],
                                                           all_tokens)}

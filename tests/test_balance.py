@@ -1,4 +1,4 @@
-"""agl_core.balance against verl 0.9.1's seqlen balancing and RayPPOTrainer._balance_batch."""
+"""agl_core.balance against verl 0.9.1's seqlen balancing and RayPPOTrainer._balance."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.utils.seqlen_balancing import get_seqlen_balanced_partitions
 
-from agl_core.balance import balance_batch, balanced_partitions
+from agl_core.balance import balanced_order, balanced_partitions
 from agl_core.data import Batch
 
 
@@ -61,8 +61,15 @@ def batch_with_lengths(lengths: list[int], width: int = 64) -> Batch:
                  {"uid": np.array([f"r{i}" for i in range(n)], dtype=object)}, {"keep": 1})
 
 
+def balance(batch: Batch, world_size: int):
+    """The batch in ``balanced_order`` of its rows' valid tokens, as the loop applies it."""
+    seqlens = batch["attention_mask"].sum(-1).numpy() if "attention_mask" in batch else []
+    order, metrics = balanced_order(seqlens, world_size)
+    return batch.select(order), metrics
+
+
 def verl_balance(batch: Batch, world_size: int):
-    """Run verl's RayPPOTrainer._balance_batch on a DataProto copy of ``batch`` (a trainer stub supplies dp size)."""
+    """Run verl's RayPPOTrainer._balance on a DataProto copy of ``batch`` (a trainer stub supplies dp size)."""
 
     class Trainer:
         use_prefix_grouper = False
@@ -79,11 +86,11 @@ def verl_balance(batch: Batch, world_size: int):
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("world_size", [2, 4, 8])
-def test_balance_batch_matches_verl(seed, world_size):
+def test_balance_matches_verl(seed, world_size):
     rng = np.random.default_rng(seed)
     n = world_size * int(rng.integers(1, 20))
     batch = batch_with_lengths(rng.integers(1, 65, n).tolist())
-    ours, metrics = balance_batch(batch, world_size)
+    ours, metrics = balance(batch, world_size)
     theirs, verl_metrics = verl_balance(batch, world_size)
     assert ours["row"].tolist() == theirs.batch["row"].tolist()
     assert list(ours["uid"]) == list(theirs.non_tensor_batch["uid"])
@@ -95,7 +102,7 @@ def test_balance_batch_matches_verl(seed, world_size):
 def test_balance_evens_out_tokens():
     lengths = [64] * 8 + [1] * 8  # all long rows first: the worst order for 2 ranks
     batch = batch_with_lengths(lengths)
-    balanced, metrics = balance_batch(batch, 2)
+    balanced, metrics = balance(batch, 2)
     halves = balanced["attention_mask"].sum(-1).reshape(2, -1).sum(-1).tolist()
     assert halves == [260, 260]
     assert metrics == {"global_seqlen/min": 8.0, "global_seqlen/max": 512.0, "global_seqlen/minmax_diff": 504.0,
@@ -105,16 +112,16 @@ def test_balance_evens_out_tokens():
 
 def test_world_size_one_keeps_the_order():
     batch = batch_with_lengths([5, 60, 2, 33])
-    balanced, metrics = balance_batch(batch, 1)
+    balanced, metrics = balance(batch, 1)
     assert balanced["row"].tolist() == [0, 1, 2, 3]
     assert metrics["global_seqlen/min"] == metrics["global_seqlen/balanced_max"] == 100.0
     assert metrics["global_seqlen/mean"] == 100.0
 
 
 def test_balance_edge_cases():
-    balanced, metrics = balance_batch(Batch.empty(), 4)
+    balanced, metrics = balance(Batch.empty(), 4)
     assert len(balanced) == 0 and metrics == {}
     with pytest.raises(ValueError, match="cannot balance 6 rows over 4 ranks"):
-        balance_batch(batch_with_lengths([1] * 6), 4)
+        balance(batch_with_lengths([1] * 6), 4)
     with pytest.raises(ValueError, match="world_size"):
-        balance_batch(batch_with_lengths([1] * 4), 0)
+        balance(batch_with_lengths([1] * 4), 0)

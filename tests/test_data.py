@@ -431,3 +431,41 @@ def test_missing_verl_gives_an_install_hint(monkeypatch):
     with pytest.raises(ImportError, match=r"pip install 'agl-core\[verl\]'"):
         make_batch().to_dataproto()
 
+
+
+# ---------------------------------------------------------------- lazy row selection
+
+
+def _numbered(n=10):
+    return Batch({"a": torch.arange(n), "b": torch.arange(n * 3).reshape(n, 3).float()},
+                 {"uid": np.array([str(i) for i in range(n)], dtype=object)})
+
+
+def test_chained_selections_gather_each_column_once_when_read():
+    batch = _numbered()
+    picked = batch[[9, 1, 5, 3]][np.array([True, False, True, True])][[2, 0]]
+    assert len(picked) == 2 and sorted(picked.keys()) == ["a", "b", "uid"] and "b" in picked
+    assert set(picked._pending) == {"a", "b"}  # nothing copied yet
+    assert picked["a"].tolist() == [3, 9]
+    assert set(picked._pending) == {"b"}  # only the column that was read
+    assert torch.equal(picked["b"], batch["b"][[3, 9]])
+    assert picked["uid"].tolist() == ["3", "9"]
+
+
+def test_lazy_batch_slices_chunks_pads_pops_and_converts():
+    batch = _numbered()[[4, 3, 2, 1, 0]]
+    assert batch[1:3]["a"].tolist() == [3, 2]
+    assert [c["a"].tolist() for c in batch.chunk(5)] == [[4], [3], [2], [1], [0]]
+    padded, pad = batch.pad_to_divisor(4)
+    assert pad == 3 and padded["a"].tolist() == [4, 3, 2, 1, 0, 4, 3, 2]
+    assert padded.unpad(pad)["a"].tolist() == [4, 3, 2, 1, 0]
+    assert batch.pop("a").tolist() == [4, 3, 2, 1, 0] and "a" not in batch
+    assert set(batch.tensors.keys()) == {"b"} and not batch._pending
+    assert torch.equal(Batch.from_dataproto(batch.to_dataproto())["b"], batch["b"])
+
+
+def test_writing_a_column_of_a_lazy_batch_replaces_the_pending_one():
+    batch = _numbered()[[0, 1]]
+    batch["a"] = torch.tensor([7, 8])
+    assert batch["a"].tolist() == [7, 8]
+    assert Batch.concat([batch, batch])["a"].tolist() == [7, 8, 7, 8]
