@@ -12,52 +12,30 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from agl_core.data import Batch
-
-__all__ = ["balance_batch", "balanced_partitions"]
+__all__ = ["balanced_order", "balanced_partitions"]
 
 
-class _Part:
-    """One growing partition: the sum of its values and its ``(index, value)`` items in insertion order."""
+class _Largest:
+    """Heap tie-breaker: the state whose largest part is larger pops first (verl's order)."""
 
-    __slots__ = ("items", "total")
+    __slots__ = ("part",)
 
-    def __init__(self, items: list[tuple[int, float]]) -> None:
-        self.items = items
-        self.total = 0
-        for _, value in items:
-            self.total += value
+    def __init__(self, part: list) -> None:
+        self.part = part
 
-    def key(self) -> tuple:
-        # Total order on partitions (sum, then size, then items); verl breaks ties
-        # the same way, which is what makes our partitions identical to its.
-        return self.total, len(self.items), self.items
+    def __lt__(self, other: _Largest) -> bool:
+        return _part_key(self.part) > _part_key(other.part)
 
 
-class _State:
-    """A candidate k-way partition of some items; parts kept in decreasing order of ``_Part.key``."""
+def _part_key(part: list) -> tuple:
+    # A part is [total, items]; verl orders parts by sum, then size, then items.
+    return part[0], len(part[1]), part[1]
 
-    __slots__ = ("parts",)
 
-    def __init__(self, parts: list[_Part]) -> None:
-        self.parts = sorted(parts, key=_Part.key, reverse=True)
-
-    def spread(self) -> float:
-        return self.parts[0].total - self.parts[-1].total
-
-    def __lt__(self, other: _State) -> bool:
-        # heapq pops the smallest state: make it the one with the largest spread,
-        # then the one with the largest biggest part.
-        return (self.spread(), self.parts[0].key()) > (other.spread(), other.parts[0].key())
-
-    def merge(self, other: _State) -> _State:
-        """Pair this state's largest part with ``other``'s smallest, and so on (the differencing step)."""
-        for mine, theirs in zip(self.parts, reversed(other.parts)):
-            for item in theirs.items:
-                # Item by item, as verl adds them, so float sums round the same way.
-                mine.items.append(item)
-                mine.total += item[1]
-        return _State(self.parts)
+def _entry(parts: list[list], counter: int) -> tuple:
+    """A heap entry for a state (its parts in decreasing order): largest spread pops first."""
+    parts.sort(key=_part_key, reverse=True)
+    return -(parts[0][0] - parts[-1][0]), _Largest(parts[0]), counter, parts
 
 
 def balanced_partitions(seqlens: Sequence[float] | np.ndarray, k: int, equal_size: bool = True) -> list[list[int]]:
@@ -65,7 +43,8 @@ def balanced_partitions(seqlens: Sequence[float] | np.ndarray, k: int, equal_siz
 
     The Karmarkar-Karp largest differencing method with verl's tie-breaking:
     the same partitions, in the same order, as verl's
-    ``get_seqlen_balanced_partitions``. Each list is sorted. With
+    ``get_seqlen_balanced_partitions`` (for integer values; float sums may
+    round differently on exact ties). Each list is sorted. With
     ``equal_size`` every list has ``len(seqlens) // k`` items, which
     requires ``len(seqlens) % k == 0``.
     """
@@ -76,21 +55,26 @@ def balanced_partitions(seqlens: Sequence[float] | np.ndarray, k: int, equal_siz
         raise ValueError(f"cannot split {len(values)} items into {k} non-empty partitions")
     if equal_size and len(values) % k:
         raise ValueError(f"equal_size needs len(seqlens) divisible by k: {len(values)} % {k} = {len(values) % k}")
-    ordered = sorted((value, index) for index, value in enumerate(values))
+    ordered = sorted(zip(values, range(len(values))))
     # Start states: with equal_size, each run of k consecutive values (by size)
     # is spread one per part, so every merge keeps the part sizes equal.
     group = k if equal_size else 1
-    heap = [
-        _State([_Part([(index, value)]) for value, index in ordered[start:start + group]]
-               + [_Part([]) for _ in range(k - group)])
-        for start in range(0, len(ordered), group)
-    ]
+    heap = []
+    for start in range(0, len(ordered), group):
+        parts = [[value, [(index, value)]] for value, index in ordered[start:start + group]]
+        parts += [[0, []] for _ in range(k - group)]
+        heap.append(_entry(parts, len(heap)))
     heapq.heapify(heap)
+    counter = len(heap)
     while len(heap) > 1:
-        first = heapq.heappop(heap)
-        second = heapq.heappop(heap)
-        heapq.heappush(heap, first.merge(second))
-    return [sorted(index for index, _ in part.items) for part in heap[0].parts]
+        first, second = heapq.heappop(heap)[3], heapq.heappop(heap)[3]
+        # The differencing step: pair the first state's largest part with the second's smallest, and so on.
+        for mine, theirs in zip(first, reversed(second)):
+            mine[0] += theirs[0]
+            mine[1].extend(theirs[1])
+        heapq.heappush(heap, _entry(first, counter))
+        counter += 1
+    return [sorted(index for index, _ in part[1]) for part in heap[0][3]]
 
 
 def _workload(seqlens: np.ndarray) -> np.ndarray:
@@ -125,7 +109,7 @@ def balanced_order(seqlens: Sequence[float] | np.ndarray, world_size: int) -> tu
     if world_size == 1:
         partitions = [np.arange(n)]
     else:
-        workload = _workload(seqlens)
+        workload = _workload(seqlens).tolist()
         partitions = balanced_partitions(workload, world_size, equal_size=True)
         for i, part in enumerate(partitions):
             part.sort(key=lambda row: (workload[row], row))

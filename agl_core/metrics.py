@@ -8,6 +8,9 @@ columns. All statistics are vectorized over rows.
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from agl_core.data import Batch
@@ -50,12 +53,22 @@ def row_statistics(batch: Batch, use_critic: bool) -> Batch:
         "response_length": response_length,
         "n_valid": valid.sum(-1, dtype=torch.float64),
     }
-    token_columns = ["advantages", "returns"] + (["values"] if use_critic else [])
-    for name in token_columns:
+    # Masked reductions write into one reused scratch tensor: a fresh (N, R)
+    # temporary per reduction costs more in page faults than the arithmetic.
+    weight = scratch = None
+    computed: dict[int, dict[str, torch.Tensor]] = {}  # outcome estimators return one tensor as both
+    for name in ["advantages", "returns"] + (["values"] if use_critic else []):
         x = batch[name]
-        columns[f"{name}_sum"] = torch.where(valid, x, 0).sum(-1, dtype=torch.float64)
-        columns[f"{name}_max"] = torch.where(valid, x, -torch.inf).amax(-1)
-        columns[f"{name}_min"] = torch.where(valid, x, torch.inf).amin(-1)
+        if scratch is None or scratch.dtype != x.dtype:
+            weight, scratch = valid.to(x.dtype), torch.empty_like(x)
+            low, high = torch.tensor(-torch.inf, dtype=x.dtype), torch.tensor(torch.inf, dtype=x.dtype)
+        if id(x) not in computed:
+            computed[id(x)] = {
+                "sum": torch.mul(x, weight, out=scratch).sum(-1, dtype=torch.float64),
+                "max": torch.where(valid, x, low, out=scratch).amax(-1),
+                "min": torch.where(valid, x, high, out=scratch).amin(-1),
+            }
+        columns.update({f"{name}_{stat}": value for stat, value in computed[id(x)].items()})
     if use_critic:
         returns = torch.where(valid, batch["returns"], 0).double()
         diff = returns - torch.where(valid, batch["values"], 0).double()
@@ -71,35 +84,34 @@ def summarize(stats: Batch, suffix: str = "") -> dict[str, float]:
     """The data metrics of the rows in ``stats`` (see :func:`compute_data_metrics`); ``{}`` when empty."""
     if len(stats) == 0:
         return {}
-    out: dict[str, torch.Tensor] = {}
+    # The per-row statistics are short vectors: NumPy in float64 reduces them faster than torch.
+    row = {name: stats[name].double().numpy() for name in stats.keys()}
+    out: dict[str, float] = {}
     for key, name in (("critic/score", "score"), ("critic/rewards", "reward"),
                       ("response_length", "response_length"), ("prompt_length", "prompt_length")):
-        values = stats[name]
+        values = row[name]
         out.update({f"{key}/mean": values.mean(), f"{key}/max": values.max(), f"{key}/min": values.min()})
-    n = stats["n_valid"].sum()
-    nan = torch.tensor(float("nan"), dtype=torch.float64)
-    names = ["advantages", "returns"] + (["values"] if stats.meta["use_critic"] else [])
-    for name in names:
+    n = row["n_valid"].sum()
+    for name in ["advantages", "returns"] + (["values"] if stats.meta["use_critic"] else []):
         if n > 0:
-            out.update({f"critic/{name}/mean": stats[f"{name}_sum"].sum() / n,
-                        f"critic/{name}/max": stats[f"{name}_max"].max(),
-                        f"critic/{name}/min": stats[f"{name}_min"].min()})
+            out.update({f"critic/{name}/mean": row[f"{name}_sum"].sum() / n,
+                        f"critic/{name}/max": row[f"{name}_max"].max(),
+                        f"critic/{name}/min": row[f"{name}_min"].min()})
         else:  # verl reports NaN rather than failing when no token is selected
-            out.update({f"critic/{name}/{stat}": nan for stat in ("mean", "max", "min")})
+            out.update({f"critic/{name}/{stat}": math.nan for stat in ("mean", "max", "min")})
     if stats.meta["use_critic"]:
-        out["critic/vf_explained_var"] = 1.0 - _variance(stats["diff_sum"], stats["diff_sq_sum"], n) / (
-            _variance(stats["returns_sum"], stats["returns_sq_sum"], n) + 1e-5)
-    out["response_length/clip_ratio"] = (stats["response_length"] == stats.meta["max_response_length"]).double().mean()
-    out["prompt_length/clip_ratio"] = (stats["prompt_length"] == stats.meta["max_prompt_length"]).double().mean()
-    # One device-to-host transfer for all statistics instead of one .item() each.
-    values = torch.stack([value.to(torch.float64) for value in out.values()]).tolist()
-    return {key + suffix: value for key, value in zip(out, values)}
+        out["critic/vf_explained_var"] = 1.0 - _variance(row["diff_sum"], row["diff_sq_sum"], n) / (
+            _variance(row["returns_sum"], row["returns_sq_sum"], n) + 1e-5)
+    out["response_length/clip_ratio"] = (row["response_length"] == stats.meta["max_response_length"]).mean()
+    out["prompt_length/clip_ratio"] = (row["prompt_length"] == stats.meta["max_prompt_length"]).mean()
+    return {key + suffix: float(value) for key, value in out.items()}
 
 
-def _variance(row_sums: torch.Tensor, row_sq_sums: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+def _variance(row_sums: np.ndarray, row_sq_sums: np.ndarray, n: float) -> float:
     """Unbiased variance over all tokens from per-row sums of x and x² (torch.var's definition)."""
     total = row_sums.sum()
-    return (row_sq_sums.sum() - total * total / n) / (n - 1)
+    with np.errstate(invalid="ignore", divide="ignore"):  # one token or none: NaN, as torch.var gives
+        return (row_sq_sums.sum() - total * total / n) / (n - 1)
 
 
 def compute_data_metrics(batch: Batch, use_critic: bool, suffix: str = "") -> dict[str, float]:
