@@ -51,7 +51,7 @@ def row_statistics(batch: Batch, use_critic: bool) -> Batch:
         "reward": batch["token_level_rewards"].sum(-1),
         "prompt_length": prompt_length,
         "response_length": response_length,
-        "n_valid": valid.sum(-1, dtype=torch.float64),
+        "n_valid": batch["attention_mask"][:, max_prompt_length:].sum(-1),
     }
     # Masked reductions write into one reused scratch tensor: a fresh (N, R)
     # temporary per reduction costs more in page faults than the arithmetic.

@@ -10,7 +10,7 @@ grpo estimator) called directly, in one function, with nothing of agl_core's
 layer around it. The difference is the core's
 overhead: hook dispatch, batch operations, filters and metrics.
 
-Prints one JSON line. Target: core overhead <= 2 ms per step for 1,024 rows.
+Prints one JSON line per data-parallel size. Target: core overhead <= 2 ms per step for 1,024 rows.
 """
 
 from __future__ import annotations
@@ -65,9 +65,12 @@ class InstantBackend:
 
     AGL_HOOK_API = HOOK_API_VERSION
 
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
     @hookimpl
     def on_train_start(self, ctx):
-        ctx.world_size = 8
+        ctx.world_size = self.world_size
 
     @hookimpl
     def collect_rollouts(self, ctx, tasks, mode):
@@ -115,14 +118,13 @@ def median_ms(fn) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    torch.set_num_threads(2)
+def measure(world_size: int) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
         recipe, plugins = load(None, [
             f"trainer.run_dir={run_dir}", "trainer.progress=false", "algorithm.estimator=grpo",
             "algorithm.use_kl_in_reward=true", f"algorithm.ppo_mini_batch_size={GROUP * 4}", "data.train_batch_size=1",
             f"data.max_prompt_length={PROMPT}", f"data.max_response_length={RESPONSE}",
-        ], ["no:console", "no:jsonl"], extra_plugins=[("bench", InstantBackend())])
+        ], ["no:console", "no:jsonl"], extra_plugins=[("bench", InstantBackend(world_size))])
         tasks = [Task(id="t", input={})]
         trainer = Trainer(recipe, plugins, train_tasks=tasks, val_tasks=[])
         plugins.broadcast("on_train_start", ctx=trainer.ctx)
@@ -130,11 +132,19 @@ def main() -> None:
         assert metrics["training/n_triplets_dropped_remainder"] == 0 and "actor/pg_loss" in metrics
         ours = median_ms(lambda: trainer.train_step(tasks))
     direct = median_ms(direct_step)
-    print(json.dumps({
+    return {
         "bench": "loop", "rows": ROWS, "prompt_length": PROMPT, "response_length": RESPONSE,
-        "ours_ms": round(ours, 3), "direct_ms": round(direct, 3),
+        "world_size": world_size, "ours_ms": round(ours, 3), "direct_ms": round(direct, 3),
         "core_overhead_ms": round(ours - direct, 3), "ratio": round(ours / direct, 2), "target_overhead_ms": 2.0,
-    }))
+    }
+
+
+def main() -> None:
+    torch.set_num_threads(2)
+    # world_size 1 is the embedded backend on one machine (no balancing); 8 adds
+    # verl-style token balancing over 8 ranks (Karmarkar-Karp partitioning).
+    for world_size in (1, 8):
+        print(json.dumps(measure(world_size)))
 
 
 if __name__ == "__main__":
