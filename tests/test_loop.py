@@ -68,6 +68,11 @@ def test_one_step_through_every_hook_with_drop_floor_and_pad(make_recipe):
     assert state.rows_seen["compute_old_logprob"] == [22]  # 21 rows padded to a multiple of world_size 2
     assert state.rows_seen["compute_ref_logprob"] == [22]
     assert state.rows_seen["update_actor"] == [16]
+    # Balanced over world_size 2: the two halves' token counts are at least as close as before.
+    assert metrics["global_seqlen/balanced_max"] - metrics["global_seqlen/balanced_min"] <= \
+        metrics["global_seqlen/minmax_diff"]
+    assert metrics["global_seqlen/mean"] * 2 == pytest.approx(
+        sum(metrics[f"global_seqlen/balanced_{m}"] for m in ("min", "max")))
 
     batch = recorder.batches[0]
     assert len(batch) == 21
