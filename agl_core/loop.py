@@ -139,7 +139,7 @@ class Trainer:
             batch = call(stage, {"ctx": self.ctx, "batch": batch})
             if not isinstance(batch, Batch):
                 raise TypeError(f"post_process_batch stage {name!r} returned {type(batch).__name__}, not Batch")
-        if "rollouts" in batch.meta and "input_ids" not in batch:
+        if "input_ids" not in batch and any(r.status == "succeeded" for r in batch.meta.get("rollouts", ())):
             raise RuntimeError("no post_process_batch stage turned the rollouts into rows; "
                                "enable a trace aggregator plugin (agl-plugin-traces)")
         return batch
@@ -183,9 +183,16 @@ class Trainer:
         return last
 
     def validate(self) -> dict[str, float]:
+        """Run the ``validate`` slot; what hooks report on the side lands under ``val/``."""
+        ctx, step_metrics = self.ctx, self.ctx.step_metrics
+        ctx.step_metrics = side = {}
         metrics: dict[str, float] = {}
-        with timer("timing_s/validate", metrics):
-            metrics.update(self.ctx.call("validate", tasks=self.val_tasks))
+        try:
+            with timer("timing_s/validate", metrics):
+                metrics.update(ctx.call("validate", tasks=self.val_tasks))
+        finally:
+            ctx.step_metrics = step_metrics
+        metrics.update({f"val/{key}": value for key, value in side.items()})
         return metrics
 
     def log(self, metrics: dict[str, float], step: int) -> None:
