@@ -105,8 +105,41 @@ class TrainerConfig(Section):
     progress: bool = True
 
 
+class SamplingConfig(Section):
+    """Sampling parameters the gateway adds to a model call that does not set them (the agent's own win)."""
+
+    temperature: float | None = Field(1.0, ge=0, description="sampling temperature (1.0: on-policy samples)")
+    top_p: float | None = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
+    max_tokens: int | None = Field(None, ge=1, description="response token limit (None: data.max_response_length)")
+
+
+class GatewayConfig(Section):
+    """The HTTP gateway agents call; it records every model call with its token ids."""
+
+    host: str = Field("127.0.0.1", description="address to bind; anything but loopback requires a token")
+    port: int = Field(0, ge=0, le=65535, description="port to bind (0: a free port chosen by the OS)")
+    token: str | None = Field(None, description="bearer token agents must send (default: $AGL_GATEWAY_TOKEN); "
+                                                "required when host is not a loopback address")
+    max_body_bytes: int = Field(8 * 2**20, ge=1024, description="larger request bodies are refused with 413")
+    max_retries: int = Field(3, ge=0, description="retries of a policy call answered 429/5xx or refused")
+    retry_backoff_s: float = Field(0.1, ge=0, description="first retry delay; doubles with each retry")
+    upstream_timeout_s: float = Field(600.0, gt=0, description="time allowed for one policy call")
+
+
 class RolloutConfig(Section):
     n: int = Field(1, ge=1, description="samples per task (the group size of grpo/rloo)")
+    agent: str | None = Field(None, description="the agent: 'package.module:function', or a name an installed "
+                                                "distribution registers in the entry-point group agl_core.agents")
+    model: str = Field("policy", description="model name agents are given (llm.model)")
+    store: str = Field("memory", description="rollout store: 'memory' (built-in) or one a plugin registers "
+                                             "('sqlite' from agl-plugin-sqlite)")
+    n_workers: int = Field(8, ge=1, description="agent workers of the local runner (threads)")
+    timeout_s: float = Field(600.0, gt=0, description="time an attempt may take before it ends timed_out")
+    max_attempts: int = Field(2, ge=1, description="attempts per rollout, counting the first; a rollout is "
+                                                   "requeued only when its worker is lost (lease expired)")
+    lease_s: float = Field(30.0, gt=0, description="a running attempt not renewed for this long is lost")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
 
 
 class PluginsConfig(Section):

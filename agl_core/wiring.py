@@ -35,6 +35,8 @@ def needed_slots(recipe: Recipe, components: Components, validates: bool) -> tup
     needs_ref = algo.use_kl_in_reward or algo.policy_loss.use_kl_loss
     needs_critic = components.get("estimator", algo.estimator).options.get("needs_critic", False)
     hooks = list(ALWAYS)
+    if recipe.rollout.agent is not None:  # agents call a model: someone must say where it is served
+        hooks.append("policy_endpoints")
     if needs_ref:
         hooks.append("compute_ref_logprob")
     if needs_critic:

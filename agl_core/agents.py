@@ -1,0 +1,188 @@
+"""The agent API: what an agent is, what it is given, and how it reports rewards.
+
+An agent is a plain function, sync or async::
+
+    def agent(task: Task, llm: LLM) -> float | None
+
+It talks to ``llm.base_url`` with any OpenAI-compatible client (the official
+``openai`` client unchanged) and returns its reward, or None. On the way it
+may call :func:`emit_reward` for intermediate rewards and
+:func:`emit_annotation` for anything worth keeping with the trace. Every
+model call it makes is recorded by the gateway behind ``llm.base_url``.
+
+A recipe names the agent with ``rollout.agent``: ``package.module:function``,
+or a name that an installed distribution registers in the entry-point group
+``agl_core.agents``. The :func:`agent` decorator gives it the name recorded on
+its spans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import inspect
+import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import importlib_metadata
+
+if TYPE_CHECKING:  # agl_core.data imports torch; `import agl_core` stays light without it
+    from agl_core.data import Task
+    from agl_core.store import Store
+
+ENTRY_POINT_GROUP = "agl_core.agents"
+
+
+@dataclass(frozen=True)
+class LLM:
+    """The model an agent calls for one rollout: an OpenAI-compatible ``base_url`` and what to send it.
+
+    ``base_url`` is unique to the rollout's attempt (the gateway files each
+    call under it), so create the client inside the agent:
+    ``OpenAI(base_url=llm.base_url, api_key=llm.api_key)``. ``sampling``
+    holds the recipe's sampling parameters; the gateway applies them to calls
+    that do not set them, so passing them is optional.
+    """
+
+    base_url: str
+    model: str
+    api_key: str
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+
+def agent(name: str | None = None) -> Callable[[Callable], Callable]:
+    """Decorator: name an agent (recorded as ``agent_name`` on its spans) and check its signature.
+
+    ``@agent()`` uses the function's name. The function must accept ``(task, llm)``.
+    """
+
+    def mark(fn: Callable) -> Callable:
+        check_signature(fn)
+        fn.agl_agent_name = name or fn.__name__
+        return fn
+
+    return mark
+
+
+def agent_name(fn: Callable) -> str:
+    """The name an agent's spans carry: the one given to :func:`agent`, else its qualified name."""
+    return getattr(fn, "agl_agent_name", None) or getattr(fn, "__qualname__", type(fn).__name__)
+
+
+def check_signature(fn: Callable) -> None:
+    """Raise TypeError unless ``fn`` can be called as ``fn(task, llm)``."""
+    if not callable(fn):
+        raise TypeError(f"an agent must be callable, got {type(fn).__name__}")
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        raise TypeError(f"agent {agent_name(fn)!r} must accept (task, llm), its signature is "
+                        f"{inspect.signature(fn)}") from None
+
+
+def load_agent(spec: str) -> Callable:
+    """The agent named by the recipe key ``rollout.agent`` (``module:attr`` or an ``agl_core.agents`` name).
+
+    Raises ValueError with what was tried and what exists.
+    """
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ValueError(f"rollout.agent={spec!r}: cannot import {module_name!r}: {exc}") from None
+        fn = module
+        for part in attr.split("."):
+            if not hasattr(fn, part):
+                raise ValueError(f"rollout.agent={spec!r}: {module_name!r} has no attribute {attr!r}")
+            fn = getattr(fn, part)
+    else:
+        points = {ep.name: ep for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP)}
+        if spec not in points:
+            known = ", ".join(sorted(points)) or "none"
+            raise ValueError(f"rollout.agent={spec!r}: no agent of that name (registered agents: {known}); "
+                             f"use 'package.module:function' for an agent that is not registered")
+        fn = points[spec].load()
+    try:
+        check_signature(fn)
+    except TypeError as exc:
+        raise ValueError(f"rollout.agent={spec!r}: {exc}") from None
+    return fn
+
+
+def as_reward(value: Any, what: str) -> float | None:
+    """``value`` as a finite float reward (None stays None); ValueError naming ``what`` otherwise."""
+    if value is None:
+        return None
+    if not isinstance(value, int | float):
+        raise ValueError(f"{what} must be a number or None, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{what} must be finite, got {value!r}")
+    return float(value)
+
+
+# ---------------------------------------------------------------- rewards and annotations
+
+
+@dataclass
+class RolloutScope:
+    """The attempt an agent is running, as seen by :func:`emit_reward` (set by the runner)."""
+
+    rollout_id: str
+    attempt_id: str
+    store: Store
+    agent_name: str | None = None
+    last_reward: float | None = None
+
+
+_scope: contextvars.ContextVar[RolloutScope | None] = contextvars.ContextVar("agl_rollout_scope", default=None)
+
+
+@contextlib.contextmanager
+def rollout_scope(scope: RolloutScope) -> Iterator[RolloutScope]:
+    """Run the body (an agent) inside ``scope``: its ``emit_*`` calls are recorded for that attempt."""
+    token = _scope.set(scope)
+    try:
+        yield scope
+    finally:
+        _scope.reset(token)
+
+
+def _emit(kind: str, reward: float | None, attributes: dict[str, Any]) -> None:
+    from agl_core.data import Span
+
+    scope = _scope.get()
+    if scope is None:
+        raise RuntimeError(f"emit_{kind} was called outside a rollout: call it from the agent function "
+                           "(or code it calls in the same thread or task)")
+    attributes = {"agent_name": scope.agent_name, **attributes}
+    try:
+        json.dumps(attributes)  # a store writes spans as JSON, maybe later on another thread: fail here
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"emit_{kind}: attributes must be JSON-serializable: {exc}") from None
+    now = time.time()
+    span = Span(rollout_id=scope.rollout_id, attempt_id=scope.attempt_id, kind=kind, reward=reward,
+                sequence_id=scope.store.next_sequence_id(scope.rollout_id), attributes=attributes,
+                start_time=now, end_time=now)
+    scope.store.add_spans([span])
+    if reward is not None:
+        scope.last_reward = reward
+
+
+def emit_reward(value: float, **attributes: Any) -> None:
+    """Record a reward of the current rollout (a ``reward`` span, ordered with its model calls).
+
+    When the agent returns None, the last reward it emitted is the rollout's
+    ``final_reward``. Keyword arguments are kept in the span's attributes.
+    """
+    _emit("reward", as_reward(value, "emit_reward's value"), attributes)
+
+
+def emit_annotation(**attributes: Any) -> None:
+    """Record free-form information with the current rollout's trace (an ``annotation`` span)."""
+    _emit("annotation", None, attributes)

@@ -1,0 +1,111 @@
+"""Built-in plugin ``local_runner``: the default ``collect_rollouts``, agents run as threads of the trainer.
+
+For a run it opens the store named by ``rollout.store``, serves the gateway on
+``rollout.gateway.host:port`` and starts ``rollout.n_workers`` agent workers;
+each step it points the gateway at the servers of the ``policy_endpoints``
+slot, runs the agent on every task (``rollout.n`` samples each in train
+mode) and returns the rollouts once all have ended, reporting ``rollout/…``
+metrics. A backend that fills ``collect_rollouts`` itself takes precedence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agl_core import HOOK_API_VERSION, hookimpl
+from agl_core.agents import LLM, load_agent
+from agl_core.gateway import Gateway
+from agl_core.http_server import ServerThread
+from agl_core.plugins import PluginError
+from agl_core.runner import LocalRunner
+from agl_core.store import Store
+
+AGL_HOOK_API = HOOK_API_VERSION
+NAME = "local_runner"
+
+
+@dataclass
+class LocalRuntime:
+    """What the local runner keeps for a run: the store, the gateway and its server, the workers."""
+
+    store: Store
+    gateway: Gateway
+    server: ServerThread
+    runner: LocalRunner
+
+    def close(self) -> None:
+        try:
+            self.runner.stop()
+            self.server.stop()
+        finally:
+            self.store.close()
+
+
+def runtime(ctx) -> LocalRuntime:
+    """The run's runtime, started on first use."""
+    if NAME not in ctx.state:
+        ctx.state[NAME] = start_runtime(ctx)
+    return ctx.state[NAME]
+
+
+def start_runtime(ctx) -> LocalRuntime:
+    cfg = ctx.config.rollout
+    if cfg.agent is None:
+        raise PluginError("the local runner runs the agent named by rollout.agent, which is not set "
+                          "(e.g. rollout.agent=my_package.my_agent:agent)")
+    agent = load_agent(cfg.agent)
+    store = ctx.components.get("store", cfg.store).obj(ctx)
+    # Rollouts left unfinished in a persistent store by an earlier process have no one waiting for them.
+    store.cancel(None, "abandoned: the trainer that queued it stopped")
+    sampling = cfg.sampling.model_dump()
+    if sampling["max_tokens"] is None:
+        sampling["max_tokens"] = ctx.config.data.max_response_length
+    try:
+        gateway = Gateway(store, cfg.gateway, sampling)
+        server = gateway.serve()
+    except BaseException:
+        store.close()
+        raise
+    api_key = gateway.token or "agl"  # the openai client insists on a key; the gateway ignores it without a token
+
+    def llm_for(rollout_id: str, attempt_id: str) -> LLM:
+        return LLM(Gateway.base_url(server.url, rollout_id, attempt_id), cfg.model, api_key, dict(gateway.sampling))
+
+    runner = LocalRunner(store, agent, llm_for, n_workers=cfg.n_workers, timeout_s=cfg.timeout_s,
+                         lease_s=cfg.lease_s, max_attempts=cfg.max_attempts).start()
+    return LocalRuntime(store, gateway, server, runner)
+
+
+def owns_rollouts(ctx) -> bool:
+    return ctx.slots.get("collect_rollouts", (None, None))[0] == NAME
+
+
+@hookimpl
+def on_train_start(ctx):
+    if owns_rollouts(ctx):
+        runtime(ctx)  # start now: a bad agent, store or port is a start-up error, not a first-step one
+
+
+@hookimpl
+def collect_rollouts(ctx, tasks, mode):
+    rt = runtime(ctx)
+    urls = ctx.call("policy_endpoints")
+    if not urls:
+        owner = ctx.slots["policy_endpoints"][0]
+        raise PluginError(f"the policy_endpoints slot (plugin {owner!r}) returned no server URL: "
+                          "the agents would have no model to call")
+    rt.gateway.upstreams.set(urls)
+    rt.gateway.weight_version = ctx.step
+    samples = ctx.config.rollout.n if mode == "train" else 1
+    result = rt.runner.run(tasks, samples, metadata={"mode": mode, "step": ctx.step},
+                           progress=ctx.config.trainer.progress, id_prefix=f"{mode}-{ctx.step}")
+    if mode == "train":
+        ctx.step_metrics.update(result.metrics)
+    return result.rollouts
+
+
+@hookimpl
+def on_train_end(ctx):
+    rt = ctx.state.pop(NAME, None)
+    if rt is not None:
+        rt.close()

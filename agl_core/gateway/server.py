@@ -1,0 +1,233 @@
+"""The gateway: an OpenAI-compatible HTTP front for the policy servers that records every call as a span.
+
+Agents call ``{gateway}/rollout/{rollout_id}/attempt/{attempt_id}/v1`` as
+their base URL (``POST .../chat/completions`` and ``POST .../completions``).
+For each call the gateway checks the request, forwards it to the policy server
+pinned to the rollout with token ids and log-probs asked for, writes one
+``llm_call`` span per choice to the store, and returns the server's answer
+unchanged. A request refused with a 4xx writes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import ipaddress
+import json
+import os
+import time
+from typing import Any
+
+import aiohttp
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from agl_core.config import GatewayConfig
+from agl_core.data import Span
+from agl_core.gateway.capture import CHAT, COMPLETIONS, Captured, ask_for_tokens, capture
+from agl_core.gateway.upstream import Forwarded, Upstreams, post_with_retries
+from agl_core.http_server import ServerThread
+from agl_core.store import Store
+
+TOKEN_ENV = "AGL_GATEWAY_TOKEN"
+PREFIX = "/rollout/{rollout_id}/attempt/{attempt_id}/v1"
+
+
+class RequestError(Exception):
+    """A request the gateway refuses: answered with ``status`` and ``message``, nothing recorded."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    """An error in the OpenAI format, so the openai client raises with ``message``."""
+    kind = "authentication_error" if status == 401 else "invalid_request_error" if status < 500 else "api_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+class Gateway:
+    """The gateway of one run: an ASGI app over ``store`` and the policy servers in ``upstreams``.
+
+    ``sampling`` holds the parameters added to calls that do not set them.
+    ``weight_version`` (the runner sets the training step) is recorded on
+    every span. :meth:`serve` runs it on a background thread.
+    """
+
+    def __init__(self, store: Store, config: GatewayConfig | None = None,
+                 sampling: dict[str, Any] | None = None, upstreams: list[str] = ()):
+        self.store = store
+        self.config = config or GatewayConfig()
+        self.token = self.config.token or os.environ.get(TOKEN_ENV) or None
+        if not is_loopback(self.config.host) and not self.token:
+            raise ValueError(f"the gateway binds {self.config.host}, which is not a loopback address: "
+                             f"set rollout.gateway.token (or ${TOKEN_ENV}) so that only agents with it get in")
+        self.sampling = {k: v for k, v in (sampling or {}).items() if v is not None}
+        self.upstreams = Upstreams(list(upstreams))
+        self.weight_version: int | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self.app = Starlette(
+            routes=[Route(f"{PREFIX}/chat/completions", self._chat, methods=["POST"]),
+                    Route(f"{PREFIX}/completions", self._completions, methods=["POST"]),
+                    Route("/healthz", self._health, methods=["GET"])],
+            lifespan=self._lifespan)
+
+    def serve(self) -> ServerThread:
+        """Start serving on ``config.host:config.port``; the returned server knows its URL."""
+        return ServerThread(self.app, self.config.host, self.config.port, name="agl-gateway").start()
+
+    @staticmethod
+    def base_url(server_url: str, rollout_id: str, attempt_id: str) -> str:
+        """The OpenAI base URL an agent uses for one attempt of one rollout."""
+        return f"{server_url}/rollout/{rollout_id}/attempt/{attempt_id}/v1"
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette):
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        timeout = aiohttp.ClientTimeout(total=self.config.upstream_timeout_s)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            self._session = session
+            yield
+        self._session = None
+
+    # ------------------------------------------------------------ endpoints
+
+    async def _chat(self, request: Request) -> Response:
+        return await self._handle(request, CHAT)
+
+    async def _completions(self, request: Request) -> Response:
+        return await self._handle(request, COMPLETIONS)
+
+    async def _health(self, request: Request) -> Response:
+        return JSONResponse({"ok": True, "upstreams": list(self.upstreams.urls)})
+
+    async def _handle(self, request: Request, endpoint: str) -> Response:
+        try:
+            self._check_token(request)
+            body = _parse(endpoint, await self._read_body(request))
+            rollout_id, attempt_id = request.path_params["rollout_id"], request.path_params["attempt_id"]
+            state = self.store.attempt_state(rollout_id, attempt_id)
+            if state is None:
+                raise RequestError(404, f"unknown rollout {rollout_id!r}")
+            if not state.current:
+                raise RequestError(409, f"attempt {attempt_id!r} of rollout {rollout_id!r} is not running "
+                                        f"(the rollout is {state.rollout_status}); its calls are not recorded")
+        except RequestError as exc:
+            return error_response(exc.status, str(exc))
+        sequence_ids = [self.store.next_sequence_id(rollout_id) for _ in range(max(1, body.get("n") or 1))]
+        start = time.time()
+        upstream = self.upstreams.pick(rollout_id)
+        if upstream is None:
+            forwarded = Forwarded(503, b"", 0, "the gateway has no policy server to forward to")
+        else:
+            url = f"{upstream}/{endpoint.replace('.', '/')}"
+            payload = json.dumps(self._upstream_body(endpoint, body)).encode()
+            forwarded = await post_with_retries(self._session, url, payload,
+                                                self.config.max_retries, self.config.retry_backoff_s)
+        common = {"endpoint": endpoint, "request": body, "upstream": upstream, "status_code": forwarded.status,
+                  "upstream_tries": forwarded.tries, "weight_version": self.weight_version,
+                  "agent_name": state.metadata.get("agent_name")}
+        spans = _spans(rollout_id, attempt_id, sequence_ids, endpoint, forwarded, common, start, time.time())
+        self.store.add_spans(spans)
+        if forwarded.error is not None:
+            return error_response(forwarded.status, forwarded.error)
+        return Response(forwarded.body, forwarded.status, media_type="application/json")
+
+    # ------------------------------------------------------------ checks
+
+    def _check_token(self, request: Request) -> None:
+        if self.token is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self.token.encode()):
+            raise RequestError(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>' "
+                                    "(the openai client sends its api_key so)")
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        too_big = RequestError(413, f"request body exceeds {limit} bytes (rollout.gateway.max_body_bytes)")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _upstream_body(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+        out = ask_for_tokens(endpoint, body)
+        for key, value in self.sampling.items():
+            if key == "max_tokens" and "max_completion_tokens" in out:
+                continue
+            out.setdefault(key, value)
+        return out
+
+
+def _parse(endpoint: str, raw: bytes) -> dict[str, Any]:
+    """The request body as a dict, or the RequestError that says what is wrong with it."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "request body must be a JSON object")
+    if body.get("stream"):
+        raise RequestError(400, "streaming is not supported by the agl_core gateway yet: call with stream=false")
+    if endpoint == CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise RequestError(400, "'messages' must be a non-empty list of message objects")
+    elif not isinstance(body.get("prompt"), str):
+        raise RequestError(400, "'prompt' must be a string (token-id and batched prompts are not supported)")
+    n = body.get("n")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise RequestError(400, "'n' must be a positive integer")
+    return body
+
+
+def _spans(rollout_id: str, attempt_id: str, sequence_ids: list[int], endpoint: str, forwarded: Forwarded,
+           attributes: dict[str, Any], start: float, end: float) -> list[Span]:
+    """One span per choice of a successful answer; one errored span otherwise."""
+    response: Any = None
+    captured: list[Captured] = []
+    error = forwarded.error
+    if error is None:
+        try:
+            response = json.loads(forwarded.body)
+        except ValueError:
+            error = f"the policy server answered {forwarded.status} with a body that is not JSON"
+    if error is None and forwarded.status >= 400:
+        error = f"the policy server answered {forwarded.status}"
+    if error is None:
+        captured = capture(endpoint, response)
+        if not captured:
+            error = "the policy server's answer has no choices"
+    if error is not None:
+        attrs = {**attributes, "response": response, "error": error}
+        return [Span(rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=sequence_ids[0], kind="llm_call",
+                     attributes=attrs, start_time=start, end_time=end)]
+    spans = []
+    for index, (sequence_id, choice) in enumerate(zip(sequence_ids, captured)):
+        attrs = {**attributes, "response": response, "choice_index": index}
+        if choice.error is not None:
+            attrs["error"] = choice.error
+        spans.append(Span(rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=sequence_id, kind="llm_call",
+                          prompt_token_ids=choice.prompt_token_ids, response_token_ids=choice.response_token_ids,
+                          response_logprobs=choice.response_logprobs, attributes=attrs,
+                          start_time=start, end_time=end))
+    return spans

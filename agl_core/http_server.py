@@ -1,0 +1,78 @@
+"""Serve an ASGI app with uvicorn on a background thread of this process.
+
+The gateway and the test policy endpoint run next to the trainer this way.
+Binding the socket here (port 0: the OS picks a free port) makes the URL known
+before the server starts, so callers never race for a port.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+
+def _fastest(module: str, fallback: str) -> str:
+    # uvloop and httptools roughly halve the per-request cost; h11/asyncio work everywhere.
+    return module if importlib.util.find_spec(module) else fallback
+
+
+class ServerThread:
+    """A uvicorn server for ``app`` on ``host:port``, run by a daemon thread.
+
+    ``start()`` returns once the server accepts connections (or raises after
+    ``timeout_s``); ``stop()`` asks it to exit and joins the thread.
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, name: str = "agl-http"):
+        self.host, self.name = host, name
+        self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self.port: int = self._socket.getsockname()[1]
+        config = uvicorn.Config(app, loop=_fastest("uvloop", "asyncio"), http=_fastest("httptools", "h11"),
+                                lifespan="on", log_level="warning", access_log=False,
+                                timeout_keep_alive=60, backlog=4096)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        """``http://host:port``, the address clients use."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def _run(self) -> None:
+        try:
+            self._server.run(sockets=[self._socket])
+        except BaseException as exc:  # reported by start(); a server thread must not die silently
+            self._error = exc
+
+    def start(self, timeout_s: float = 10.0) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if self._error is not None or not self._thread.is_alive():
+                raise RuntimeError(f"{self.name} failed to start on {self.url}: {self._error!r}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} did not start on {self.url} within {timeout_s} s")
+            time.sleep(0.005)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        self._socket.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+

@@ -1,0 +1,126 @@
+"""The rollout store protocol: the queue of rollouts, their attempts, and the spans they record.
+
+A rollout moves through ``queuing → running → succeeded | failed | timed_out``.
+A worker takes a queued rollout with :meth:`Store.dequeue`, which starts a new
+*attempt* (ids ``"1"``, ``"2"``, …) under a lease of ``lease_s`` seconds; the
+worker (or the runner on its behalf) renews the lease with
+:meth:`Store.heartbeat`. When a lease runs out the worker is presumed lost:
+the rollout goes back to the front of the queue while it has attempts left
+(``max_attempts`` counts all attempts), else it ends ``failed``. An attempt
+that ends by itself (:meth:`Store.finish`) is final, whatever its status.
+
+Spans (model calls, rewards, annotations) are written with
+:meth:`Store.add_spans` under ids from :meth:`Store.next_sequence_id`; a
+finished rollout is read back with the spans of its last attempt only. The
+consumer calls :meth:`Store.release` once it has the rollouts, so that a store
+never holds what nobody will read again.
+
+Stores are registered by name through the ``register_stores`` hook
+(``register(name, factory)``, ``factory(ctx) -> Store``) and chosen with the
+recipe key ``rollout.store``. Every method is thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # agl_core.data imports torch; `import agl_core` stays light without it
+    from agl_core.data import Rollout, Span, Task
+
+QUEUING, RUNNING = "queuing", "running"
+SUCCEEDED, FAILED, TIMED_OUT = "succeeded", "failed", "timed_out"
+TERMINAL = frozenset({SUCCEEDED, FAILED, TIMED_OUT})
+"""Statuses a rollout never leaves."""
+
+
+@dataclass(frozen=True)
+class NewRollout:
+    """A rollout to enqueue: which task, which sample of it, how many attempts it may use."""
+
+    rollout_id: str
+    task: Task
+    sample_index: int = 0
+    max_attempts: int = 1
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One attempt at a rollout, as handed to a worker by :meth:`Store.dequeue`."""
+
+    rollout_id: str
+    attempt_id: str
+    task: Task
+    sample_index: int
+    metadata: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class AttemptState:
+    """What :meth:`Store.attempt_state` knows of an attempt: is it the one running now?"""
+
+    rollout_status: str
+    current: bool
+    """True when this is the rollout's latest attempt and the rollout is running."""
+    metadata: dict[str, Any]
+
+
+@runtime_checkable
+class Store(Protocol):
+    """Queue, attempts, leases and spans of rollouts. See the module docstring for the lifecycle."""
+
+    def enqueue(self, rollouts: Sequence[NewRollout]) -> None:
+        """Queue new rollouts (status ``queuing``), in order. A rollout id already known is an error."""
+
+    def dequeue(self, worker_id: str, lease_s: float, wait_s: float = 0.0) -> Attempt | None:
+        """Start an attempt at the oldest queued rollout, waiting up to ``wait_s`` for one; None if none came.
+
+        Expired leases are requeued first, so an idle worker picks up what a lost one left.
+        """
+
+    def heartbeat(self, rollout_id: str, attempt_id: str, lease_s: float) -> bool:
+        """Extend the attempt's lease to ``lease_s`` from now; False if it is no longer the running attempt."""
+
+    def finish(self, rollout_id: str, attempt_id: str, status: str,
+               final_reward: float | None = None, error: str | None = None) -> bool:
+        """End the running attempt with a terminal ``status``; False (and no change) if it is not running."""
+
+    def cancel(self, rollout_ids: Sequence[str] | None, reason: str) -> int:
+        """End the given (or, with None, every) unfinished rollouts as ``failed``; return how many."""
+
+    def requeue_expired(self) -> int:
+        """Requeue (or fail, when out of attempts) running rollouts whose lease ran out; return how many."""
+
+    def attempt_state(self, rollout_id: str, attempt_id: str) -> AttemptState | None:
+        """Whether ``attempt_id`` is the running attempt of ``rollout_id``; None for an unknown rollout."""
+
+    def next_sequence_id(self, rollout_id: str) -> int:
+        """The next span sequence id of the rollout (0, 1, …): the order of its events."""
+
+    def add_spans(self, spans: Sequence[Span]) -> None:
+        """Record spans. A store may write them in batches; :meth:`flush` and every read see them."""
+
+    def flush(self) -> None:
+        """Return once every span added so far is durable (as durable as the store gets)."""
+
+    def wait(self, rollout_ids: Sequence[str], timeout_s: float) -> set[str]:
+        """Block until every rollout in ``rollout_ids`` is terminal, or ``timeout_s`` passed; return the terminal ones."""
+
+    def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
+        """The rollouts (with the spans of their last attempt, by sequence id), in order; unknown ids are skipped."""
+
+    def query(self, statuses: Sequence[str] | None = None) -> list[Rollout]:
+        """Rollouts with one of ``statuses`` (all with None), without spans, oldest first."""
+
+    def release(self, rollout_ids: Sequence[str]) -> None:
+        """Forget consumed rollouts: nothing of them stays in this process's memory."""
+
+    def close(self) -> None:
+        """Flush and release every resource (threads, connections). The store is unusable afterwards."""
+
+
+def lease_expired_error(attempt_id: str | None, worker_id: str | None) -> str:
+    """The error a store records when an attempt's lease runs out."""
+    return f"attempt {attempt_id} was lost: worker {worker_id} stopped renewing its lease"

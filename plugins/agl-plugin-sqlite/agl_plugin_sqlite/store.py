@@ -1,0 +1,401 @@
+"""The rollout store in one SQLite file (WAL mode), shared safely by every process that opens it.
+
+Queue and attempt changes are single transactions (``BEGIN IMMEDIATE``), so
+several processes may dequeue from the same file. Spans go through a bounded
+queue to one writer thread that inserts them in batches: under load a commit
+carries hundreds of spans, and when idle a span is committed at once. With
+``synchronous=NORMAL`` in WAL mode a committed transaction survives the
+kill -9 of any process (a power cut may lose the last few).
+
+Span sequence ids are counted in the process that writes a rollout's spans
+(seeded from the file), which is the process running the rollout's gateway.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import sqlite3
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from agl_core.data import Rollout, Span, Task
+from agl_core.store import (FAILED, QUEUING, RUNNING, TERMINAL, Attempt, AttemptState, NewRollout,
+                            lease_expired_error)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS rollouts (
+    rollout_id    TEXT PRIMARY KEY,
+    task          TEXT NOT NULL,              -- the Task as JSON
+    sample_index  INTEGER NOT NULL,
+    metadata      TEXT NOT NULL,              -- JSON object
+    status        TEXT NOT NULL,              -- queuing | running | succeeded | failed | timed_out
+    priority      REAL NOT NULL,              -- dequeue order: enqueue time; lowered on requeue
+    attempts      INTEGER NOT NULL DEFAULT 0,
+    max_attempts  INTEGER NOT NULL,
+    worker_id     TEXT,
+    lease_expires REAL,                       -- wall clock: shared by every process
+    final_reward  REAL,
+    error         TEXT,
+    start_time    REAL,
+    end_time      REAL,
+    consumed      INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS rollouts_by_status ON rollouts (status, priority);
+CREATE TABLE IF NOT EXISTS spans (
+    rollout_id  TEXT NOT NULL,
+    attempt_id  TEXT NOT NULL,
+    sequence_id INTEGER NOT NULL,
+    kind        TEXT NOT NULL,
+    span        TEXT NOT NULL                 -- the Span as JSON
+);
+CREATE INDEX IF NOT EXISTS spans_by_rollout ON spans (rollout_id, attempt_id, sequence_id);
+"""
+
+_COLUMNS = ("rollout_id, task, sample_index, metadata, status, attempts, final_reward, error, "
+            "start_time, end_time")
+POLL_S = 0.02
+"""How often a waiting caller looks at the file for changes made by other processes."""
+
+
+class SqliteStore:
+    """The :class:`~agl_core.store.Store` protocol on the SQLite file ``path``.
+
+    ``batch_size`` bounds the spans per insert transaction and ``max_pending``
+    the spans waiting for the writer (``add_spans`` blocks beyond it, so
+    memory stays bounded when the disk falls behind). ``keep_consumed``
+    keeps released rollouts in the file (marked consumed) as the run's record;
+    otherwise they are deleted.
+    """
+
+    def __init__(self, path: str | Path, batch_size: int = 512, max_pending: int = 20_000,
+                 keep_consumed: bool = True, busy_timeout_s: float = 30.0):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.batch_size, self.keep_consumed = batch_size, keep_consumed
+        self._busy_timeout_ms = int(busy_timeout_s * 1000)
+        self._local = threading.local()
+        self._connections: list[sqlite3.Connection] = []
+        self._connections_lock = threading.Lock()
+        self._changed = threading.Condition()  # wakes waiters of this process at once
+        self._sequence: dict[str, int] = {}
+        self._sequence_lock = threading.Lock()
+        self._closed = False
+        with self._connection() as conn:
+            conn.executescript(SCHEMA)
+        self._writer = _SpanWriter(self._new_connection(), batch_size, max_pending)
+        self._writer.start()
+
+    # ------------------------------------------------------------ connections
+
+    def _new_connection(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
+                               timeout=self._busy_timeout_ms / 1000)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
+        with self._connections_lock:
+            self._connections.append(conn)
+        return conn
+
+    def _connection(self) -> sqlite3.Connection:
+        """This thread's connection (SQLite connections are not shared between threads here)."""
+        if self._closed:
+            raise RuntimeError(f"the store {self.path} is closed")
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = self._new_connection()
+        return conn
+
+    def _transaction(self):
+        return _Immediate(self._connection())
+
+    # ------------------------------------------------------------ queue and attempts
+
+    def enqueue(self, rollouts: Sequence[NewRollout]) -> None:
+        now = time.time()
+        rows = [(r.rollout_id, r.task.model_dump_json(), r.sample_index, json.dumps(r.metadata), QUEUING,
+                 now + i * 1e-6, r.max_attempts) for i, r in enumerate(rollouts)]
+        try:
+            with self._transaction() as conn:
+                conn.executemany("INSERT INTO rollouts (rollout_id, task, sample_index, metadata, status, "
+                                 "priority, max_attempts) VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+        except sqlite3.IntegrityError:
+            known = {r.rollout_id for r in rollouts} & set(self._existing([r.rollout_id for r in rollouts]))
+            raise ValueError(f"rollouts already in the store: {sorted(known)}") from None
+        self._notify()
+
+    def _existing(self, rollout_ids: list[str]) -> list[str]:
+        marks = ",".join("?" * len(rollout_ids))
+        rows = self._connection().execute(f"SELECT rollout_id FROM rollouts WHERE rollout_id IN ({marks})",
+                                          rollout_ids)
+        return [row[0] for row in rows]
+
+    def dequeue(self, worker_id: str, lease_s: float, wait_s: float = 0.0) -> Attempt | None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            self.requeue_expired()
+            with self._transaction() as conn:
+                row = conn.execute("SELECT rollout_id, task, sample_index, metadata, attempts FROM rollouts "
+                                   "WHERE status = ? ORDER BY priority LIMIT 1", (QUEUING,)).fetchone()
+                if row is not None:
+                    rollout_id, task, sample_index, metadata, attempts = row
+                    now = time.time()
+                    conn.execute("UPDATE rollouts SET status = ?, attempts = ?, worker_id = ?, lease_expires = ?, "
+                                 "start_time = ? WHERE rollout_id = ?",
+                                 (RUNNING, attempts + 1, worker_id, now + lease_s, now, rollout_id))
+            if row is not None:
+                return Attempt(rollout_id, str(attempts + 1), Task.model_validate_json(task), sample_index,
+                               json.loads(metadata))
+            if not self._wait_for_change(deadline):
+                return None
+
+    def heartbeat(self, rollout_id: str, attempt_id: str, lease_s: float) -> bool:
+        with self._transaction() as conn:
+            cursor = conn.execute("UPDATE rollouts SET lease_expires = ? WHERE rollout_id = ? AND status = ? "
+                                  "AND attempts = ?", (time.time() + lease_s, rollout_id, RUNNING,
+                                                       _number(attempt_id)))
+            return cursor.rowcount == 1
+
+    def finish(self, rollout_id: str, attempt_id: str, status: str,
+               final_reward: float | None = None, error: str | None = None) -> bool:
+        if status not in TERMINAL:
+            raise ValueError(f"finish needs a terminal status ({', '.join(sorted(TERMINAL))}), got {status!r}")
+        with self._transaction() as conn:
+            cursor = conn.execute("UPDATE rollouts SET status = ?, final_reward = ?, error = ?, end_time = ? "
+                                  "WHERE rollout_id = ? AND status = ? AND attempts = ?",
+                                  (status, final_reward, error, time.time(), rollout_id, RUNNING,
+                                   _number(attempt_id)))
+            done = cursor.rowcount == 1
+        self._notify()
+        return done
+
+    def cancel(self, rollout_ids: Sequence[str] | None, reason: str) -> int:
+        unfinished = f"status IN ('{QUEUING}', '{RUNNING}')"
+        with self._transaction() as conn:
+            if rollout_ids is None:
+                cursor = conn.execute(f"UPDATE rollouts SET status = ?, error = ?, end_time = ? WHERE {unfinished}",
+                                      (FAILED, reason, time.time()))
+                count = cursor.rowcount
+            else:
+                count = 0
+                for rollout_id in rollout_ids:
+                    count += conn.execute(f"UPDATE rollouts SET status = ?, error = ?, end_time = ? "
+                                          f"WHERE rollout_id = ? AND {unfinished}",
+                                          (FAILED, reason, time.time(), rollout_id)).rowcount
+        self._notify()
+        return count
+
+    def requeue_expired(self) -> int:
+        now = time.time()
+        conn = self._connection()
+        # A cheap read first: most calls find nothing and need no write lock.
+        if conn.execute("SELECT 1 FROM rollouts WHERE status = ? AND lease_expires < ? LIMIT 1",
+                        (RUNNING, now)).fetchone() is None:
+            return 0
+        with self._transaction() as conn:
+            expired = conn.execute("SELECT rollout_id, attempts, max_attempts, worker_id FROM rollouts "
+                                   "WHERE status = ? AND lease_expires < ?", (RUNNING, now)).fetchall()
+            lowest = conn.execute("SELECT MIN(priority) FROM rollouts").fetchone()[0] or now
+            for i, (rollout_id, attempts, max_attempts, worker_id) in enumerate(expired):
+                error = lease_expired_error(str(attempts), worker_id)
+                if attempts < max_attempts:  # back to the front of the queue, in their order
+                    conn.execute("UPDATE rollouts SET status = ?, error = ?, priority = ? WHERE rollout_id = ?",
+                                 (QUEUING, error, lowest - len(expired) + i, rollout_id))
+                else:
+                    conn.execute("UPDATE rollouts SET status = ?, error = ?, end_time = ? WHERE rollout_id = ?",
+                                 (FAILED, error, now, rollout_id))
+        if expired:
+            self._notify()
+        return len(expired)
+
+    def attempt_state(self, rollout_id: str, attempt_id: str) -> AttemptState | None:
+        row = self._connection().execute("SELECT status, attempts, metadata FROM rollouts WHERE rollout_id = ?",
+                                         (rollout_id,)).fetchone()
+        if row is None:
+            return None
+        status, attempts, metadata = row
+        return AttemptState(status, status == RUNNING and str(attempts) == attempt_id, json.loads(metadata))
+
+    # ------------------------------------------------------------ spans
+
+    def next_sequence_id(self, rollout_id: str) -> int:
+        with self._sequence_lock:
+            if rollout_id not in self._sequence:
+                row = self._connection().execute("SELECT MAX(sequence_id) FROM spans WHERE rollout_id = ?",
+                                                 (rollout_id,)).fetchone()
+                self._sequence[rollout_id] = -1 if row[0] is None else row[0]
+            self._sequence[rollout_id] += 1
+            return self._sequence[rollout_id]
+
+    def add_spans(self, spans: Sequence[Span]) -> None:
+        self._writer.put(spans)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    # ------------------------------------------------------------ reading
+
+    def wait(self, rollout_ids: Sequence[str], timeout_s: float) -> set[str]:
+        deadline = time.monotonic() + timeout_s
+        wanted = list(dict.fromkeys(rollout_ids))
+        while True:
+            self.requeue_expired()
+            done = set()
+            for start in range(0, len(wanted), 500):  # SQLite limits the parameters of one statement
+                chunk = wanted[start:start + 500]
+                marks = ",".join("?" * len(chunk))
+                rows = self._connection().execute(
+                    f"SELECT rollout_id FROM rollouts WHERE rollout_id IN ({marks}) AND status IN (?, ?, ?)",
+                    [*chunk, *sorted(TERMINAL)])
+                done.update(row[0] for row in rows)
+            if len(done) == len(wanted) or not self._wait_for_change(deadline):
+                return done
+
+    def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
+        self.flush()
+        conn = self._connection()
+        out = []
+        for rollout_id in rollout_ids:
+            row = conn.execute(f"SELECT {_COLUMNS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)).fetchone()
+            if row is None:
+                continue
+            attempt_id = str(row[5]) if row[5] else None
+            spans = [Span.model_validate_json(text) for (text,) in conn.execute(
+                "SELECT span FROM spans WHERE rollout_id = ? AND attempt_id = ? ORDER BY sequence_id",
+                (rollout_id, attempt_id))]
+            out.append(_rollout(row, spans))
+        return out
+
+    def query(self, statuses: Sequence[str] | None = None) -> list[Rollout]:
+        sql = f"SELECT {_COLUMNS} FROM rollouts WHERE consumed = 0"
+        params: list[str] = []
+        if statuses is not None:
+            sql += f" AND status IN ({','.join('?' * len(statuses))})"
+            params = list(statuses)
+        return [_rollout(row, []) for row in self._connection().execute(sql + " ORDER BY priority", params)]
+
+    def release(self, rollout_ids: Sequence[str]) -> None:
+        self.flush()
+        ids = [(rollout_id,) for rollout_id in rollout_ids]
+        with self._transaction() as conn:
+            if self.keep_consumed:
+                conn.executemany("UPDATE rollouts SET consumed = 1 WHERE rollout_id = ?", ids)
+            else:
+                conn.executemany("DELETE FROM spans WHERE rollout_id = ?", ids)
+                conn.executemany("DELETE FROM rollouts WHERE rollout_id = ?", ids)
+        with self._sequence_lock:
+            for rollout_id in rollout_ids:
+                self._sequence.pop(rollout_id, None)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self._writer.stop()
+        finally:
+            self._closed = True
+            with self._connections_lock:
+                for conn in self._connections:
+                    conn.close()
+                self._connections.clear()
+            self._sequence.clear()
+
+    # ------------------------------------------------------------ waiting
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def _wait_for_change(self, deadline: float) -> bool:
+        """Sleep until this process changes the store or a poll interval passes; False once ``deadline`` passed."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        with self._changed:
+            self._changed.wait(min(left, POLL_S))
+        return True
+
+
+def _number(attempt_id: str) -> int:
+    return int(attempt_id) if attempt_id.isdigit() else -1
+
+
+def _rollout(row: tuple, spans: list[Span]) -> Rollout:
+    rollout_id, task, sample_index, metadata, status, attempts, final_reward, error, start_time, end_time = row
+    return Rollout(rollout_id=rollout_id, task_id=Task.model_validate_json(task).id, sample_index=sample_index,
+                   status=status, final_reward=final_reward, spans=spans, error=error,
+                   metadata=json.loads(metadata), attempt_id=str(attempts) if attempts else None,
+                   attempts=attempts, start_time=start_time, end_time=end_time)
+
+
+class _Immediate:
+    """``with _Immediate(conn) as conn:`` a write transaction, taken at once (BEGIN IMMEDIATE), committed at exit."""
+
+    def __init__(self, conn: sqlite3.Connection):
+        self.conn = conn
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.conn.execute("BEGIN IMMEDIATE")
+        return self.conn
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.conn.execute("COMMIT" if exc_type is None else "ROLLBACK")
+
+
+class _SpanWriter(threading.Thread):
+    """Inserts queued spans in batches of up to ``batch_size``, one transaction per batch."""
+
+    def __init__(self, conn: sqlite3.Connection, batch_size: int, max_pending: int):
+        super().__init__(name="agl-sqlite-span-writer", daemon=True)
+        self.conn, self.batch_size = conn, batch_size
+        self.pending: queue.Queue[Span | None] = queue.Queue(maxsize=max_pending)
+        self.done = threading.Condition()
+        self.added = self.written = 0
+        self.error: BaseException | None = None
+
+    def put(self, spans: Sequence[Span]) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the span writer failed: {self.error!r}") from self.error
+        with self.done:
+            self.added += len(spans)
+        for span in spans:
+            self.pending.put(span)
+
+    def flush(self) -> None:
+        with self.done:
+            target = self.added
+            while self.written < target and self.error is None:
+                self.done.wait(1.0)
+        if self.error is not None:
+            raise RuntimeError(f"the span writer failed: {self.error!r}") from self.error
+
+    def stop(self) -> None:
+        self.pending.put(None)  # after every queued span: they are written first
+        self.join(30)
+
+    def run(self) -> None:
+        while True:
+            batch = [self.pending.get()]
+            while len(batch) < self.batch_size and batch[-1] is not None:
+                try:
+                    batch.append(self.pending.get_nowait())
+                except queue.Empty:
+                    break
+            spans = [span for span in batch if span is not None]
+            try:
+                if spans:
+                    with _Immediate(self.conn) as conn:
+                        conn.executemany("INSERT INTO spans (rollout_id, attempt_id, sequence_id, kind, span) "
+                                         "VALUES (?, ?, ?, ?, ?)",
+                                         [(s.rollout_id, s.attempt_id, s.sequence_id, s.kind, s.model_dump_json())
+                                          for s in spans])
+            except BaseException as exc:  # surfaced by the next put/flush instead of a silent loss
+                self.error = exc
+            with self.done:
+                self.written += len(spans)
+                self.done.notify_all()
+            if batch[-1] is None:
+                return
