@@ -1,0 +1,270 @@
+"""Time the trajectory aggregator of agl-plugin-traces against a per-triplet Python implementation.
+
+Builds 4,096 succeeded rollouts of 8 model calls each, the way an agent with
+tools produces them: the first prompt has about 200 tokens, every call
+answers with about 50, and every later prompt is the previous prompt + the
+previous response + about 200 new tokens (the tool's result), so the calls
+of a rollout merge into one row of about 2,000 tokens. One rollout in 16
+breaks the prefix once (its history is re-rendered), so the break path runs
+too. The spans are parsed from JSON, as a store hands them over.
+
+Both implementations run the same algorithm on the same spans:
+
+* ``reference``: the approach of the reference trainer (Agent Lightning's
+  ``get_train_data_batch``), written straightforwardly: per rollout, per
+  triplet, Python lists for every row (padded ids, attention mask, response
+  mask, log-probs, scores), then ``torch.tensor`` over the lists of rows.
+* ``ours``: ``agl_plugin_traces.trajectory.trajectory_batch``.
+
+Every output tensor and column is asserted identical, then one JSON line is
+printed:
+
+    {"bench": "aggregation", "aggregator": "trajectory", "rollouts": 4096, "turns": 8, "rows": ...,
+     "tokens": ..., "ours_s": ..., "reference_s": ..., "speedup": ..., "output_bytes": ...,
+     "peak_bytes": ..., "peak_over_output": ...}
+
+Times are medians over ``--repeats`` runs after one untimed warm-up, with
+torch.set_num_threads(2). ``peak_bytes`` is the peak of memory allocated while
+our aggregator builds the batch (a separate run, measured as the kernel's
+high-water mark of the resident set, so every allocation counts), and
+``output_bytes`` the size of the output tensors. Linux only.
+
+    python benchmarks/bench_aggregation.py [--rollouts 4096] [--turns 8] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from agl_core.data import Batch, Rollout, Span
+from agl_plugin_traces.trajectory import trajectory_batch
+
+MAX_PROMPT, MAX_RESPONSE = 256, 2048
+
+
+# --------------------------------------------------------------------------- workload
+
+
+def make_rollouts(n_rollouts: int, turns: int, seed: int = 0) -> list[Rollout]:
+    """Agent-like rollouts (see the module docstring), spans parsed from JSON."""
+    rng = random.Random(seed)
+
+    def tokens(mean: int) -> list[int]:
+        return [rng.randrange(1000, 150_000) for _ in range(rng.randint(mean * 9 // 10, mean * 11 // 10))]
+
+    rollouts = []
+    for r in range(n_rollouts):
+        rollout_id = f"rollout-{r}"
+        prompt, spans = tokens(200), []
+        break_at = rng.randrange(1, turns) if r % 16 == 0 and turns > 1 else None
+        for turn in range(turns):
+            if turn == break_at:
+                prompt = [7] + prompt[1:]  # the history re-rendered with another first token
+            response = tokens(50)
+            spans.append({"rollout_id": rollout_id, "sequence_id": 2 * turn, "kind": "llm_call",
+                          "prompt_token_ids": prompt, "response_token_ids": response,
+                          "response_logprobs": [-rng.random() for _ in response]})
+            prompt = prompt + response + tokens(200)
+        spans.append({"rollout_id": rollout_id, "sequence_id": 2 * turns, "kind": "reward", "reward": rng.random()})
+        rollouts.append(Rollout(rollout_id=rollout_id, task_id=f"task-{r // 8}", status="succeeded",
+                                final_reward=spans[-1]["reward"],
+                                spans=[Span.model_validate_json(json.dumps(s)) for s in spans]))
+    return rollouts
+
+
+# --------------------------------------------------------------------------- the reference approach
+
+
+def left_pad(ids: list, length: int, pad) -> tuple[list, list]:
+    return [pad] * (length - len(ids)) + ids, [0] * (length - len(ids)) + [1] * len(ids)
+
+
+def right_pad(ids: list, length: int, pad) -> tuple[list, list]:
+    return ids + [pad] * (length - len(ids)), [1] * len(ids) + [0] * (length - len(ids))
+
+
+def reference_trajectory(rollouts: list[Rollout], max_prompt: int, max_response: int, pad: int = 0) -> Batch:
+    """The same algorithm as ``trajectory_batch`` (default settings), one triplet and one row at a time."""
+    columns: dict[str, list] = {k: [] for k in ("prompts", "prompt_mask", "responses", "response_attention",
+                                                  "response_mask", "scores", "logprobs", "drop", "uid",
+                                                  "rollout_id", "turn_index")}
+    for rollout in rollouts:
+        if rollout.status != "succeeded":
+            continue
+        reward = rollout.final_reward if rollout.final_reward is not None else 0.0
+        # spans -> triplets: ordered, no errors, no empty calls, the last of each retried prompt
+        triplets: list[dict] = []
+        for span in sorted((s for s in rollout.spans if s.kind == "llm_call"), key=lambda s: s.sequence_id):
+            if span.attributes.get("error") or not span.prompt_token_ids or not span.response_token_ids:
+                continue
+            triplets = [t for t in triplets if t["prompt_ids"] != span.prompt_token_ids]
+            triplets.append({"prompt_ids": span.prompt_token_ids, "response_ids": span.response_token_ids,
+                             "logprobs": span.response_logprobs})
+        # merge: consecutive triplets whose prompt starts with the previous prompt + response
+        segments: list[list[int]] = []
+        context: list[int] | None = None
+        for turn, triplet in enumerate(triplets):
+            prompt = triplet["prompt_ids"]
+            if context is not None and prompt[:len(context)] == context:
+                segments[-1].append(turn)
+            else:
+                segments.append([turn])
+            context = prompt + triplet["response_ids"]
+        for segment in segments:
+            first = triplets[segment[0]]
+            prompt = list(first["prompt_ids"])
+            response, mask, logprobs = [], [], []
+            drop = False
+            if len(prompt) > max_prompt:
+                if segment[0] > 0:  # a later segment: the overflow is context, mask 0
+                    response, mask, logprobs = prompt[max_prompt:], [0] * (len(prompt) - max_prompt), \
+                        [0.0] * (len(prompt) - max_prompt)
+                    prompt = prompt[:max_prompt]
+                else:
+                    prompt, drop = prompt[-max_prompt:], True
+            seen = len(first["prompt_ids"])
+            for turn in segment:
+                triplet = triplets[turn]
+                new = triplet["prompt_ids"][seen:] if turn != segment[0] else []
+                response += new
+                mask += [0] * len(new)
+                logprobs += [0.0] * len(new)
+                response += triplet["response_ids"]
+                mask += [1] * len(triplet["response_ids"])
+                logprobs += triplet["logprobs"]
+                seen = len(triplet["prompt_ids"]) + len(triplet["response_ids"])
+            response, mask, logprobs = response[:max_response], mask[:max_response], logprobs[:max_response]
+            if 1 not in mask:
+                continue
+            last = len(mask) - 1 - mask[::-1].index(1)
+            scores = [0.0] * max_response
+            scores[last] = reward
+            padded_prompt, prompt_mask = left_pad(prompt, max_prompt, pad)
+            padded_response, response_attention = right_pad(response, max_response, pad)
+            columns["prompts"].append(padded_prompt)
+            columns["prompt_mask"].append(prompt_mask)
+            columns["responses"].append(padded_response)
+            columns["response_attention"].append(response_attention)
+            columns["response_mask"].append(right_pad(mask, max_response, 0)[0])
+            columns["logprobs"].append(right_pad(logprobs, max_response, 0.0)[0])
+            columns["scores"].append(scores)
+            columns["drop"].append(drop)
+            columns["uid"].append(rollout.task_id)
+            columns["rollout_id"].append(rollout.rollout_id)
+            columns["turn_index"].append(segment[0])
+    prompts, responses = torch.tensor(columns["prompts"]), torch.tensor(columns["responses"])
+    attention_mask = torch.cat([torch.tensor(columns["prompt_mask"]), torch.tensor(columns["response_attention"])], 1)
+    uid = np.array(columns["uid"], dtype=object)
+    return Batch(
+        tensors={"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+                 "attention_mask": attention_mask,
+                 "position_ids": torch.clamp(torch.cumsum(attention_mask, -1) - 1, min=0),
+                 "response_mask": torch.tensor(columns["response_mask"]),
+                 "token_level_scores": torch.tensor(columns["scores"], dtype=torch.float32),
+                 "is_drop_mask": torch.tensor(columns["drop"], dtype=torch.bool),
+                 "rollout_log_probs": torch.tensor(columns["logprobs"], dtype=torch.float32)},
+        non_tensors={"uid": uid, "data_id": uid.copy(), "rollout_id": np.array(columns["rollout_id"], dtype=object),
+                     "turn_index": np.array(columns["turn_index"], dtype=np.int64)})
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def ours(rollouts: list[Rollout]) -> Batch:
+    return trajectory_batch(rollouts, MAX_PROMPT, MAX_RESPONSE)[0]
+
+
+def median_seconds(fn: Callable[[], Batch], repeats: int) -> tuple[float, Batch]:
+    """Median wall time of ``fn`` over ``repeats`` runs after a warm-up; returns the last result."""
+    result = fn()
+    times = []
+    for _ in range(repeats):
+        del result  # free the previous output before building the next one
+        gc.collect()
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def assert_identical(a: Batch, b: Batch) -> None:
+    assert sorted(a.keys()) == sorted(b.keys()), (sorted(a.keys()), sorted(b.keys()))
+    for name, value in a.tensors.items():
+        other = b[name]
+        assert value.dtype == other.dtype and value.shape == other.shape, (name, value.dtype, other.dtype)
+        assert torch.equal(value, other), f"tensor {name} differs"
+    for name, value in a.non_tensors.items():
+        assert np.array_equal(value, b[name]), f"column {name} differs"
+
+
+def output_bytes(batch: Batch) -> int:
+    return sum(t.numel() * t.element_size() for t in batch.tensors.values())
+
+
+def _status_bytes(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (Linux), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def peak_bytes(fn: Callable[[], Batch]) -> int:
+    """Peak resident memory that ``fn`` adds while it runs.
+
+    The kernel's high-water mark of the resident set (VmHWM) is reset to the
+    current size (``echo 5 > /proc/self/clear_refs``), so its value after the
+    call is the peak during the call; this counts every allocation, torch's
+    and NumPy's included. glibc is first told to map every allocation of
+    128 KiB or more on its own and unmap it when freed; otherwise memory freed
+    by earlier runs is reused without growing the resident set and the peak
+    reads too low.
+    """
+    M_MMAP_THRESHOLD = -3
+    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 * 1024)
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status_bytes("VmRSS")
+    result = fn()
+    peak = _status_bytes("VmHWM")
+    del result
+    return peak - before
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rollouts", type=int, default=4096)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+
+    rollouts = make_rollouts(args.rollouts, args.turns)
+    ours_s, batch = median_seconds(lambda: ours(rollouts), args.repeats)
+    reference_s, expected = median_seconds(lambda: reference_trajectory(rollouts, MAX_PROMPT, MAX_RESPONSE),
+                                           max(1, args.repeats // 3))
+    assert_identical(batch, expected)
+    size, rows, tokens = output_bytes(batch), len(batch), int(batch["attention_mask"].sum())
+    del batch, expected
+    peak = peak_bytes(lambda: ours(rollouts))
+    print(json.dumps({
+        "bench": "aggregation", "aggregator": "trajectory", "rollouts": args.rollouts, "turns": args.turns,
+        "rows": rows, "tokens": tokens,
+        "ours_s": round(ours_s, 4), "reference_s": round(reference_s, 4), "speedup": round(reference_s / ours_s, 1),
+        "output_bytes": size, "peak_bytes": peak, "peak_over_output": round(peak / size, 2),
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""Spans → calls: the model calls of one rollout that can be trained on, in order, with their rewards.
+
+A rollout records ``llm_call`` spans (the exact prompt and response token ids
+of each call, as the serving engine saw and returned them) and ``reward``
+spans. This module orders the calls by ``sequence_id``, keeps only those a
+trainer can use, and attaches each reward span to the call it rewards. The
+token lists are the spans' own lists, never copied: the aggregators read them
+in place.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from operator import attrgetter
+
+from agl_core.data import Rollout, Triplet
+
+
+@dataclass(slots=True)
+class Call:
+    """One model call kept for training.
+
+    ``reward`` is the call's own reward, the sum of the reward spans attached
+    to it, or None when the agent emitted none for it.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float] | None
+    reward: float | None = None
+    agent_name: str | None = None
+
+
+@dataclass
+class TraceCounts:
+    """What became of the rollouts and model calls of a batch (reported as ``training/…`` metrics)."""
+
+    rollouts: int = 0
+    rollouts_skipped: int = 0
+    rollouts_without_reward: int = 0
+    kept: int = 0
+    empty: int = 0
+    error: int = 0
+    retried: int = 0
+    rewards: int = 0
+    rewards_unattached: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "training/n_rollouts": float(self.rollouts),
+            "training/n_rollouts_skipped": float(self.rollouts_skipped),
+            "training/n_rollouts_without_reward": float(self.rollouts_without_reward),
+            "training/n_calls": float(self.kept),
+            "training/n_calls_empty": float(self.empty),
+            "training/n_calls_error": float(self.error),
+            "training/n_calls_retried": float(self.retried),
+            "training/n_call_rewards": float(self.rewards),
+            "training/n_call_rewards_unattached": float(self.rewards_unattached),
+        }
+
+
+_by_sequence = attrgetter("sequence_id")
+
+
+def rollout_calls(rollout: Rollout, counts: TraceCounts) -> list[Call]:
+    """The trainable model calls of ``rollout`` in call order, with their per-call rewards.
+
+    From spans: ``llm_call`` spans sorted by ``sequence_id``; a call without
+    prompt or response tokens, or whose ``attributes["error"]`` is truthy, is
+    skipped; of calls with the same prompt ids (retries) only the last is kept.
+    A ``reward`` span rewards the closest preceding ``llm_call`` span; when that
+    call was skipped, its reward is counted as unattached. Several rewards of
+    one call add up.
+
+    A rollout that carries ``triplets`` and no ``llm_call`` spans is taken as
+    it is: one call per triplet, in the given order, ``Triplet.reward`` as the
+    call's reward.
+    """
+    llm = sorted((s for s in rollout.spans if s.kind == "llm_call"), key=_by_sequence)
+    if not llm and rollout.triplets:
+        counts.kept += len(rollout.triplets)
+        return [Call(t.prompt_ids, t.response_ids, t.response_logprobs, t.reward, t.metadata.get("agent_name"))
+                for t in rollout.triplets]
+
+    calls: list[Call | None] = []
+    same_key: dict[tuple, list[int]] = {}  # cheap key of a prompt -> indices of the kept calls with that key
+    for span in llm:
+        prompt, response = span.prompt_token_ids, span.response_token_ids
+        if span.attributes.get("error"):
+            counts.error += 1
+            calls.append(None)
+            continue
+        if not prompt or not response:
+            counts.empty += 1
+            calls.append(None)
+            continue
+        # A retry re-sends the same prompt: the later call replaces the earlier one.
+        # The key only narrows the candidates; equal prompts are confirmed by comparing the ids.
+        key = (len(prompt), prompt[0], prompt[len(prompt) // 2], prompt[-1])
+        candidates = same_key.setdefault(key, [])
+        for i, earlier in enumerate(candidates):
+            if calls[earlier].prompt_ids == prompt:
+                calls[earlier] = None
+                del candidates[i]
+                counts.retried += 1
+                break
+        candidates.append(len(calls))
+        calls.append(Call(prompt, response, span.response_logprobs, None, span.attributes.get("agent_name")))
+
+    rewards = [s for s in rollout.spans if s.kind == "reward" and s.reward is not None]
+    if rewards:
+        sequence_ids = [s.sequence_id for s in llm]
+        for span in rewards:
+            target = bisect.bisect_right(sequence_ids, span.sequence_id) - 1
+            call = calls[target] if target >= 0 else None
+            if call is None:
+                counts.rewards_unattached += 1
+                continue
+            call.reward = span.reward if call.reward is None else call.reward + span.reward
+            counts.rewards += 1
+
+    kept = [c for c in calls if c is not None]
+    counts.kept += len(kept)
+    return kept
+
+
+def rollout_reward(rollout: Rollout, missing_reward: float | None) -> float | None:
+    """The rollout's reward: ``final_reward``, else ``missing_reward`` (None: the rollout cannot be trained on)."""
+    return rollout.final_reward if rollout.final_reward is not None else missing_reward
+
+
+def trainable_rollouts(rollouts: Iterable[Rollout], missing_reward: float | None,
+                       counts: TraceCounts) -> Iterator[tuple[Rollout, float, list[Call]]]:
+    """``(rollout, its reward, its calls)`` for every rollout that can be trained on.
+
+    Skipped (and counted): rollouts whose status is not ``"succeeded"``. A
+    rollout without a reward is counted and gets ``missing_reward``, or is
+    skipped when that is None.
+    """
+    for rollout in rollouts:
+        if rollout.status != "succeeded":
+            counts.rollouts_skipped += 1
+            continue
+        if rollout.final_reward is None:
+            counts.rollouts_without_reward += 1
+            if missing_reward is None:
+                continue
+        counts.rollouts += 1
+        yield rollout, rollout_reward(rollout, missing_reward), rollout_calls(rollout, counts)
+
+
+def to_triplets(rollout: Rollout, missing_reward: float | None = 0.0) -> list[Triplet]:
+    """The rollout's trainable calls as :class:`~agl_core.data.Triplet` records.
+
+    A triplet's reward is the call's own reward where the agent emitted one
+    (``metadata["reward_source"] == "call"``), else the rollout's reward
+    (``"rollout"``). Token lists are shared with the spans, not copied.
+    """
+    final = rollout_reward(rollout, missing_reward)
+    triplets = []
+    for turn, call in enumerate(rollout_calls(rollout, TraceCounts())):
+        own = call.reward is not None
+        # model_construct: the spans were validated already; revalidating copies every token list.
+        triplets.append(Triplet.model_construct(
+            prompt_ids=call.prompt_ids, response_ids=call.response_ids, response_logprobs=call.logprobs,
+            reward=call.reward if own else final, rollout_id=rollout.rollout_id, turn_index=turn,
+            metadata={"agent_name": call.agent_name, "reward_source": "call" if own else "rollout"}))
+    return triplets
