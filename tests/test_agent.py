@@ -1,0 +1,115 @@
+"""The agent API: naming and loading agents, emitting rewards and annotations."""
+
+import math
+
+import pytest
+
+import agl_core
+from agl_core.agents import (LLM, RolloutScope, agent, agent_name, as_reward, emit_annotation, emit_reward,
+                             load_agent, rollout_scope)
+from agl_core.builtin.memory_store import MemoryStore
+from agl_core.data import Task
+from agl_core.store import NewRollout
+
+AGENT_MODULE = """
+from agl_core import agent
+
+@agent(name="guesser")
+def play(task, llm):
+    return 1.0
+
+async def async_play(task, llm):
+    return 0.5
+
+def no_llm(task):
+    return 0.0
+
+class Box:
+    def run(self, task, llm):
+        return None
+
+box = Box()
+"""
+
+
+@pytest.fixture
+def agents_module(tmp_path, monkeypatch):
+    (tmp_path / "my_agents.py").write_text(AGENT_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "my_agents", raising=False)
+    return "my_agents"
+
+
+def test_the_public_api_is_exported():
+    assert agl_core.emit_reward is emit_reward and agl_core.LLM is LLM and agl_core.agent is agent
+
+
+def test_load_agent_by_import_path(agents_module):
+    play = load_agent("my_agents:play")
+    assert play(None, None) == 1.0 and agent_name(play) == "guesser"
+    assert agent_name(load_agent("my_agents:async_play")) == "async_play"
+    assert load_agent("my_agents:box.run")(None, None) is None
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("no_such_module:agent", "cannot import 'no_such_module'"),
+    ("my_agents:missing", "has no attribute 'missing'"),
+    ("my_agents:no_llm", "must accept (task, llm)"),
+    ("unregistered", "no agent of that name"),
+])
+def test_load_agent_errors_say_what_is_wrong(agents_module, spec, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_agent(spec)
+
+
+def test_load_agent_by_registered_name(tmp_path, monkeypatch):
+    (tmp_path / "named_agent.py").write_text("def run(task, llm):\n    return 2.0\n")
+    info = tmp_path / "named_agent_dist-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: named-agent-dist\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[agl_core.agents]\nnamed = named_agent:run\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert load_agent("named")(None, None) == 2.0
+
+
+def test_the_decorator_checks_the_signature():
+    with pytest.raises(TypeError, match=r"must accept \(task, llm\)"):
+        agent()(lambda task: None)
+
+    @agent()
+    def solve(task, llm, *, retries=2):
+        return None
+
+    assert agent_name(solve) == "solve"
+
+
+def test_rewards_must_be_finite_numbers():
+    assert as_reward(1, "r") == 1.0 and as_reward(None, "r") is None
+    for bad in (math.nan, math.inf, "1.0", [1.0]):
+        with pytest.raises(ValueError, match="r must be"):
+            as_reward(bad, "r")
+
+
+def test_emit_outside_a_rollout_is_an_error():
+    with pytest.raises(RuntimeError, match="emit_reward was called outside a rollout"):
+        emit_reward(1.0)
+
+
+def test_emit_records_spans_in_order_with_the_agent_name():
+    store = MemoryStore()
+    store.enqueue([NewRollout("r", Task(id="t", input={}))])
+    attempt = store.dequeue("w", 30)
+    with rollout_scope(RolloutScope("r", attempt.attempt_id, store, "guesser")) as scope:
+        emit_annotation(tool="search", hits=3)
+        emit_reward(0.25, stage="first")
+        emit_reward(1)
+        with pytest.raises(ValueError, match="must be finite"):
+            emit_reward(math.nan)
+        with pytest.raises(TypeError, match="JSON-serializable"):
+            emit_annotation(obj=object())
+    assert scope.last_reward == 1.0
+    spans = store._entries["r"].spans
+    assert [(s.sequence_id, s.kind, s.reward) for s in spans] == [(0, "annotation", None), (1, "reward", 0.25),
+                                                                 (2, "reward", 1.0)]
+    assert spans[0].attributes == {"agent_name": "guesser", "tool": "search", "hits": 3}
+    assert spans[1].attributes["stage"] == "first" and spans[1].attempt_id == "1"

@@ -1,0 +1,244 @@
+"""The gateway over real HTTP on 127.0.0.1: the openai client in, the test policy endpoint behind, spans out."""
+
+import httpx
+import openai
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from agl_core.builtin.memory_store import MemoryStore
+from agl_core.config import GatewayConfig
+from agl_core.data import Task
+from agl_core.gateway import Gateway
+from agl_core.gateway.upstream import Upstreams
+from agl_core.http_server import ServerThread
+from agl_core.store import NewRollout
+from agl_core.testing_endpoint import ByteTokenizer, TestEndpoint, response_logprob
+
+TOKENIZER = ByteTokenizer()
+
+
+@pytest.fixture
+def endpoint():
+    ep = TestEndpoint()
+    server = ep.serve()
+    ep.url = server.url + "/v1"
+    yield ep
+    server.stop()
+
+
+@pytest.fixture
+def store():
+    s = MemoryStore()
+    s.enqueue([NewRollout("r1", Task(id="t1", input={}), metadata={"agent_name": "echoer"})])
+    s.dequeue("w", lease_s=60)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def start(store, upstreams, **config):
+        gateway = Gateway(store, GatewayConfig(**{"retry_backoff_s": 0.01, **config}),
+                          sampling={"temperature": 0.7, "max_tokens": 64}, upstreams=upstreams)
+        servers.append(gateway.serve())
+        return gateway, servers[-1]
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def client(server, rollout="r1", attempt="1", api_key="unused"):
+    return openai.OpenAI(base_url=Gateway.base_url(server.url, rollout, attempt), api_key=api_key, max_retries=0)
+
+
+def spans(store, rollout="r1"):
+    return store._entries[rollout].spans
+
+
+def test_a_chat_call_is_recorded_with_exact_token_ids(endpoint, store, serve):
+    gateway, server = serve(store, [endpoint.url])
+    gateway.weight_version = 7
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    reply = client(server).chat.completions.create(model="policy", messages=messages, temperature=0.2)
+    assert reply.choices[0].message.content == "echo: hi"
+
+    sent = endpoint.requests[-1]
+    assert sent["return_token_ids"] is True and sent["logprobs"] is True
+    assert sent["temperature"] == 0.2 and sent["max_tokens"] == 64  # the agent's choice wins, defaults fill in
+
+    (span,) = spans(store)
+    response_ids = TOKENIZER.encode("echo: hi")
+    assert span.kind == "llm_call" and (span.rollout_id, span.attempt_id, span.sequence_id) == ("r1", "1", 0)
+    assert span.prompt_token_ids == TOKENIZER.encode(TOKENIZER.chat_prompt(messages))
+    assert span.response_token_ids == response_ids
+    assert span.response_logprobs == [response_logprob(t, i) for i, t in enumerate(response_ids)]
+    attrs = span.attributes
+    assert attrs["request"] == {"model": "policy", "messages": messages, "temperature": 0.2}
+    assert attrs["response"]["choices"][0]["message"]["content"] == "echo: hi"
+    assert attrs["upstream"] == endpoint.url and attrs["status_code"] == 200 and attrs["upstream_tries"] == 1
+    assert attrs["agent_name"] == "echoer" and attrs["weight_version"] == 7 and "error" not in attrs
+    assert span.start_time <= span.end_time
+
+
+def test_completions_with_n_choices_give_one_span_each(endpoint, store, serve):
+    _, server = serve(store, [endpoint.url])
+    reply = client(server).completions.create(model="policy", prompt="abc", n=2, max_tokens=4)
+    assert [c.text for c in reply.choices] == ["echo", "echo"] and reply.choices[0].finish_reason == "length"
+    assert endpoint.requests[-1]["logprobs"] == 0
+    recorded = spans(store)
+    assert [(s.sequence_id, s.attributes["choice_index"]) for s in recorded] == [(0, 0), (1, 1)]
+    assert all(s.prompt_token_ids == TOKENIZER.encode("abc") for s in recorded)
+    assert all(s.response_token_ids == TOKENIZER.encode("echo") for s in recorded)
+
+
+def test_calls_of_a_rollout_are_ordered(endpoint, store, serve):
+    _, server = serve(store, [endpoint.url])
+    llm = client(server)
+    for word in ("one", "two", "three"):
+        llm.chat.completions.create(model="policy", messages=[{"role": "user", "content": word}])
+    assert [(s.sequence_id, s.response_token_ids) for s in spans(store)] == [
+        (i, TOKENIZER.encode(f"echo: {w}")) for i, w in enumerate(("one", "two", "three"))]
+
+
+@pytest.mark.parametrize("path, body, status, message", [
+    ("r1/attempt/1/v1/chat/completions", b"{not json", 400, "not valid JSON"),
+    ("r1/attempt/1/v1/chat/completions", b"[1, 2]", 400, "must be a JSON object"),
+    ("r1/attempt/1/v1/chat/completions", b'{"model": "m"}', 400, "'messages' must be a non-empty list"),
+    ("r1/attempt/1/v1/chat/completions", b'{"messages": []}', 400, "'messages' must be a non-empty list"),
+    ("r1/attempt/1/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 0}', 400,
+     "'n' must be a positive integer"),
+    ("r1/attempt/1/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stream": true}', 400,
+     "streaming is not supported"),
+    ("r1/attempt/1/v1/completions", b'{"prompt": [1, 2, 3]}', 400, "'prompt' must be a string"),
+    ("nope/attempt/1/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}]}', 404,
+     "unknown rollout 'nope'"),
+    ("r1/attempt/2/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}]}', 409,
+     "attempt '2' of rollout 'r1' is not running"),
+])
+def test_malformed_requests_get_4xx_and_nothing_is_written(endpoint, store, serve, path, body, status, message):
+    _, server = serve(store, [endpoint.url])
+    response = httpx.post(f"{server.url}/rollout/{path}", content=body, timeout=10)
+    assert response.status_code == status
+    assert message in response.json()["error"]["message"]
+    assert spans(store) == [] and endpoint.calls == 0 and store.next_sequence_id("r1") == 0
+
+
+def test_an_oversized_body_is_refused_whether_declared_or_streamed(endpoint, store, serve):
+    _, server = serve(store, [endpoint.url], max_body_bytes=2048)
+    url = f"{server.url}/rollout/r1/attempt/1/v1/chat/completions"
+    big = b'{"messages": [{"role": "user", "content": "' + b"x" * 4096 + b'"}]}'
+    declared = httpx.post(url, content=big, timeout=10)
+    chunked = httpx.post(url, content=iter([big[:1000], big[1000:]]), timeout=10)  # no Content-Length
+    for response in (declared, chunked):
+        assert response.status_code == 413 and "exceeds 2048 bytes" in response.json()["error"]["message"]
+    assert spans(store) == [] and endpoint.calls == 0
+
+
+def test_429_and_5xx_are_retried_with_backoff(endpoint, store, serve):
+    _, server = serve(store, [endpoint.url], max_retries=3)
+    endpoint.fail_next.extend([503, 429, 500])
+    reply = client(server).chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+    assert reply.choices[0].message.content == "echo: x"
+    (span,) = spans(store)
+    assert span.attributes["upstream_tries"] == 4 and "error" not in span.attributes
+    assert endpoint.calls == 4
+
+
+def test_an_upstream_error_after_retries_reaches_the_agent_and_is_recorded(endpoint, store, serve):
+    _, server = serve(store, [endpoint.url], max_retries=1)
+    endpoint.fail_next.extend([500, 502, 503])
+    with pytest.raises(openai.InternalServerError):
+        client(server).chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+    (span,) = spans(store)
+    assert span.attributes["error"] == "the policy server answered 502" and span.attributes["upstream_tries"] == 2
+    assert span.response_token_ids == []
+
+
+def test_a_client_error_of_the_upstream_is_not_retried(endpoint, store, serve):
+    _, server = serve(store, [endpoint.url])
+    endpoint.fail_next.append(400)
+    with pytest.raises(openai.BadRequestError, match="injected failure 400"):
+        client(server).chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+    assert endpoint.calls == 1 and spans(store)[0].attributes["error"] == "the policy server answered 400"
+
+
+def test_an_unreachable_or_missing_upstream_is_an_error_span(store, serve):
+    gateway, server = serve(store, [], max_retries=1)
+    with pytest.raises(openai.InternalServerError, match="no policy server"):
+        client(server).chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+    gateway.upstreams.set(["http://127.0.0.1:9/v1"])  # the discard port: connection refused
+    with pytest.raises(openai.InternalServerError, match="cannot reach the policy server"):
+        client(server).chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+    assert [s.attributes["status_code"] for s in spans(store)] == [503, 502]
+    assert all(s.attributes["error"] for s in spans(store))
+
+
+def test_an_upstream_without_token_ids_is_flagged_not_retokenized(store, serve):
+    async def plain(request):
+        return JSONResponse({"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "hello"}, "finish_reason": "stop"}]})
+
+    upstream = ServerThread(Starlette(routes=[Route("/v1/chat/completions", plain, methods=["POST"])])).start()
+    try:
+        _, server = serve(store, [upstream.url + "/v1"])
+        reply = client(server).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        assert reply.choices[0].message.content == "hello"
+    finally:
+        upstream.stop()
+    (span,) = spans(store)
+    assert "no token ids" in span.attributes["error"] and span.response_token_ids == []
+
+
+def test_off_loopback_the_gateway_requires_its_token(endpoint, store, serve, monkeypatch):
+    monkeypatch.delenv("AGL_GATEWAY_TOKEN", raising=False)
+    with pytest.raises(ValueError, match="not a loopback address: set rollout.gateway.token"):
+        Gateway(store, GatewayConfig(host="0.0.0.0"))
+    _, server = serve(store, [endpoint.url], host="0.0.0.0", token="s3cret")
+    local = server.url.replace("0.0.0.0", "127.0.0.1")
+    url = f"{local}/rollout/r1/attempt/1/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        response = httpx.post(url, json=body, headers=headers, timeout=10)
+        assert response.status_code == 401 and "bearer token" in response.json()["error"]["message"]
+    assert spans(store) == [] and endpoint.calls == 0
+    llm = openai.OpenAI(base_url=Gateway.base_url(local, "r1", "1"), api_key="s3cret", max_retries=0)
+    assert llm.chat.completions.create(model="m", messages=body["messages"]).choices[0].message.content == "echo: x"
+    assert len(spans(store)) == 1
+
+
+def test_the_token_can_come_from_the_environment(store, monkeypatch):
+    monkeypatch.setenv("AGL_GATEWAY_TOKEN", "from-env")
+    assert Gateway(store, GatewayConfig(host="0.0.0.0")).token == "from-env"
+
+
+def test_each_rollout_is_pinned_to_one_upstream(store, serve):
+    endpoints = [TestEndpoint(), TestEndpoint()]
+    servers = [ep.serve() for ep in endpoints]
+    try:
+        store.enqueue([NewRollout(f"p{i}", Task(id="t", input={})) for i in range(8)])
+        attempts = [store.dequeue("w", 60) for _ in range(8)]
+        _, gateway_server = serve(store, [s.url + "/v1" for s in servers])
+        for attempt in attempts:
+            llm = client(gateway_server, attempt.rollout_id, attempt.attempt_id)
+            for _ in range(3):
+                llm.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        for attempt in attempts:
+            assert len({s.attributes["upstream"] for s in spans(store, attempt.rollout_id)}) == 1
+        assert all(ep.calls > 0 for ep in endpoints)  # and the rollouts are spread over both
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_the_pin_is_a_stable_hash():
+    upstreams = Upstreams(["http://a/v1/", "http://b/v1"])
+    assert upstreams.urls == ("http://a/v1", "http://b/v1")
+    assert [upstreams.pick(f"r{i}") for i in range(50)] == [Upstreams(["http://a/v1", "http://b/v1"]).pick(f"r{i}")
+                                                           for i in range(50)]
+    assert {upstreams.pick(f"r{i}") for i in range(50)} == {"http://a/v1", "http://b/v1"}
+    assert Upstreams().pick("r") is None

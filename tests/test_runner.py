@@ -1,0 +1,263 @@
+"""The local runner end to end: real agents with the openai client, the gateway, the test endpoint, a store."""
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+
+import openai
+import pytest
+
+from agl_core import HOOK_API_VERSION, emit_reward, hookimpl
+from agl_core.agents import LLM
+from agl_core.builtin.local_runner import NAME as LOCAL_RUNNER
+from agl_core.builtin.memory_store import MemoryStore
+from agl_core.config import GatewayConfig
+from agl_core.data import Task
+from agl_core.gateway import Gateway
+from agl_core.loop import Trainer
+from agl_core.plugins import PluginError
+from agl_core.runner import LocalRunner
+from agl_core.testing_endpoint import ByteTokenizer, TestEndpoint
+
+TASKS = [Task(id=f"t{i}", input={"word": w}) for i, w in enumerate(["apple", "pear", "fig"])]
+
+
+def echo_agent(task, llm):
+    """Asks the model to repeat a word; reward 1 when it does, with an intermediate reward."""
+    client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)
+    reply = client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": task.input["word"]}])
+    emit_reward(0.5, stage="answered")
+    client.completions.create(model=llm.model, prompt="and again")
+    return float(task.input["word"] in reply.choices[0].message.content)
+
+
+async def async_echo_agent(task, llm):
+    async with openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0) as client:
+        reply = await client.chat.completions.create(model=llm.model,
+                                                     messages=[{"role": "user", "content": task.input["word"]}])
+    emit_reward(0.75)  # and returns None: the last emitted reward is final
+    assert reply.choices[0].message.content == f"echo: {task.input['word']}"
+
+
+@pytest.fixture
+def plane():
+    """The test endpoint and a gateway over a memory store; ``plane.runner(agent, **options)`` starts a runner."""
+    endpoint = TestEndpoint()
+    endpoint_server = endpoint.serve()
+    store = MemoryStore()
+    gateway = Gateway(store, GatewayConfig(), {"temperature": 1.0}, upstreams=[endpoint_server.url + "/v1"])
+    gateway_server = gateway.serve()
+    runners = []
+
+    class Plane:
+        def runner(self, agent, **options):
+            def llm_for(rollout_id, attempt_id):
+                return LLM(Gateway.base_url(gateway_server.url, rollout_id, attempt_id), "policy", "key")
+
+            runners.append(LocalRunner(store, agent, llm_for, **{"n_workers": 4, **options}).start())
+            return runners[-1]
+
+    p = Plane()
+    p.store, p.endpoint = store, endpoint
+    yield p
+    for runner in runners:
+        runner.stop()
+    gateway_server.stop()
+    endpoint_server.stop()
+
+
+def test_a_sync_openai_agent_is_recorded_call_by_call(plane):
+    result = plane.runner(echo_agent).run(TASKS, samples=2, metadata={"mode": "train"})
+    rollouts = result.rollouts
+    assert [(r.task_id, r.sample_index) for r in rollouts] == [(t.id, s) for t in TASKS for s in range(2)]
+    assert len({r.rollout_id for r in rollouts}) == 6
+    tokenizer = ByteTokenizer()
+    for rollout, task in zip(rollouts, [t for t in TASKS for _ in range(2)]):
+        assert rollout.status == "succeeded" and rollout.final_reward == 1.0 and rollout.error is None
+        assert rollout.metadata == {"agent_name": "echo_agent", "mode": "train"}
+        assert [(s.sequence_id, s.kind) for s in rollout.spans] == [(0, "llm_call"), (1, "reward"), (2, "llm_call")]
+        first, reward, second = rollout.spans
+        assert first.response_token_ids == tokenizer.encode(f"echo: {task.input['word']}")
+        assert first.attributes["agent_name"] == "echo_agent" and first.attributes["request"]["model"] == "policy"
+        assert reward.reward == 0.5 and reward.attributes["stage"] == "answered"
+        assert second.prompt_token_ids == tokenizer.encode("and again")
+        assert all(s.attempt_id == rollout.attempt_id == "1" for s in rollout.spans)
+    metrics = result.metrics
+    assert metrics["rollout/n_rollouts"] == 6 and metrics["rollout/n_succeeded"] == 6
+    assert metrics["rollout/n_failed"] == metrics["rollout/n_timed_out"] == metrics["rollout/n_retried"] == 0
+    assert 0 < metrics["rollout/latency_s/p50"] <= metrics["rollout/latency_s/p99"] <= metrics["rollout/latency_s/max"]
+    assert plane.store._entries == {}  # consumed rollouts are released
+
+
+def test_an_async_agent_runs_on_its_workers_loop(plane):
+    rollouts = plane.runner(async_echo_agent, n_workers=2).run(TASKS, samples=2).rollouts
+    assert [r.status for r in rollouts] == ["succeeded"] * 6
+    assert [r.final_reward for r in rollouts] == [0.75] * 6
+    assert all([s.kind for s in r.spans] == ["llm_call", "reward"] for r in rollouts)
+
+
+def test_failures_are_recorded_with_the_exception_text_and_do_not_stop_the_others(plane):
+    def flaky(task, llm):
+        if task.id == "t1":
+            raise ValueError("the tool server said no")
+        if task.id == "t2":
+            return "a string"
+        return 1.0
+
+    result = plane.runner(flaky).run(TASKS)
+    assert [r.status for r in result.rollouts] == ["succeeded", "failed", "failed"]
+    assert "ValueError: the tool server said no" in result.rollouts[1].error
+    assert "Traceback" in result.rollouts[1].error
+    assert "must be a number or None, got str" in result.rollouts[2].error
+    assert result.metrics["rollout/n_failed"] == 2
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_an_agent_that_never_returns_times_out_and_the_step_goes_on(plane, kind):
+    release = threading.Event()
+
+    def stuck(task, llm):
+        if task.id == "t0":
+            release.wait(60)  # bounded: the test releases it at the end
+        return 1.0
+
+    async def stuck_async(task, llm):
+        if task.id == "t0":
+            await asyncio.sleep(60)
+        return 1.0
+
+    runner = plane.runner(stuck if kind == "sync" else stuck_async, n_workers=1, timeout_s=0.5)
+    try:
+        result = runner.run(TASKS)
+        assert [r.status for r in result.rollouts] == ["timed_out", "succeeded", "succeeded"]
+        assert "did not finish within rollout.timeout_s=0.5" in result.rollouts[0].error
+        assert result.metrics["rollout/n_timed_out"] == 1
+        # the stuck worker was replaced: the runner still has a worker for the next step
+        assert [r.status for r in runner.run(TASKS[1:]).rollouts] == ["succeeded", "succeeded"]
+    finally:
+        release.set()
+
+
+class LosingStore(MemoryStore):
+    """A memory store whose first ``lose`` handed-out attempts are lost: their worker 'dies' on the spot."""
+
+    def __init__(self, lose):
+        super().__init__()
+        self.lose = lose
+
+    def dequeue(self, worker_id, lease_s, wait_s=0.0):
+        attempt = super().dequeue(worker_id, lease_s, wait_s)
+        if attempt is not None and self.lose > 0:
+            self.lose -= 1
+            return None  # nobody will heartbeat or finish it: its lease runs out
+        return attempt
+
+
+@pytest.mark.parametrize("lose, max_attempts, statuses, retried", [
+    (3, 2, ["succeeded"] * 3, 3),
+    (3, 1, ["failed"] * 3, 0),
+    (6, 2, ["failed"] * 3, 3),
+])
+def test_lost_attempts_are_requeued_up_to_max_attempts(lose, max_attempts, statuses, retried):
+    store = LosingStore(lose)
+
+    def llm_for(rollout_id, attempt_id):
+        return LLM("http://unused/v1", "policy", "key")
+
+    runner = LocalRunner(store, lambda task, llm: 1.0, llm_for, n_workers=2, lease_s=0.2,
+                         max_attempts=max_attempts).start()
+    try:
+        result = runner.run(TASKS)
+    finally:
+        runner.stop()
+    assert [r.status for r in result.rollouts] == statuses
+    assert result.metrics["rollout/n_retried"] == retried
+    for rollout in result.rollouts:
+        if rollout.status == "failed":
+            assert f"attempt {rollout.attempts} was lost" in rollout.error
+
+
+# ------------------------------------------------------------------ through the plugin hooks
+
+
+class Endpoints:
+    """A stand-in backend slot: where the policy is served."""
+
+    AGL_HOOK_API = HOOK_API_VERSION
+
+    def __init__(self, urls):
+        self.urls = urls
+
+    @hookimpl
+    def policy_endpoints(self, ctx):
+        return self.urls
+
+
+@pytest.fixture
+def agent_module(tmp_path, monkeypatch):
+    (tmp_path / "word_agents.py").write_text(
+        "import openai\n"
+        "from agl_core import agent\n\n"
+        "@agent(name='repeater')\n"
+        "def repeat(task, llm):\n"
+        "    client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)\n"
+        "    reply = client.chat.completions.create(model=llm.model, messages=[{'role': 'user', 'content': 'x'}],\n"
+        "                                           **llm.sampling)\n"
+        "    return float(reply.choices[0].finish_reason == 'length')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "word_agents", raising=False)
+    return "word_agents:repeat"
+
+
+@pytest.fixture
+def endpoint_url():
+    endpoint = TestEndpoint()
+    server = endpoint.serve()
+    yield server.url + "/v1"
+    server.stop()
+
+
+def trainer(make_recipe, agent, urls, overrides=(), flags=()):
+    recipe, plugins = make_recipe(
+        [f"rollout.agent={agent}", "rollout.n=2", "rollout.n_workers=2", "data.train_batch_size=3",
+         "data.max_response_length=5", f"plugins.slots.collect_rollouts={LOCAL_RUNNER}",
+         "plugins.slots.policy_endpoints=endpoints", *overrides],
+        plugins=[("endpoints", Endpoints(urls))], flags=["instant", *flags])
+    return Trainer(recipe, plugins, train_tasks=TASKS, val_tasks=TASKS)
+
+
+def test_collect_rollouts_through_the_trainer_with_a_sqlite_store(make_recipe, agent_module, endpoint_url):
+    t = trainer(make_recipe, agent_module, [endpoint_url],
+                ["rollout.store=sqlite", "trainer.val_before_train=true", "trainer.total_steps=1"], ["sqlite"])
+    assert t.plan.slots["collect_rollouts"][0] == LOCAL_RUNNER
+    assert t.plan.slots["policy_endpoints"][0] == "endpoints"
+    metrics = t.fit()
+    logged = [json.loads(line) for line in (t.ctx.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert logged[0]["val/n_rollouts"] == 3 and logged[0]["val/reward/mean"] == 1.0
+    # sampling.max_tokens defaults to data.max_response_length: "echo: x" is cut to 5 tokens
+    assert metrics["rollout/n_rollouts"] == 6 and metrics["rollout/n_succeeded"] == 6
+    assert metrics["training/skipped_step"] == 1.0  # the instant backend trains on triplets, not spans
+    assert LOCAL_RUNNER not in t.ctx.state  # closed at the end of the run
+
+    import sqlite3
+    conn = sqlite3.connect(Path(t.ctx.run_dir) / "rollouts.sqlite")
+    assert conn.execute("SELECT COUNT(*), SUM(status = 'succeeded') FROM rollouts").fetchone() == (9, 9)
+    spans = [json.loads(row[0]) for row in conn.execute("SELECT span FROM spans")]
+    assert len(spans) == 9 and all(len(s["response_token_ids"]) == 5 for s in spans)
+    assert {s["attributes"]["agent_name"] for s in spans} == {"repeater"}
+    assert {s["attributes"]["weight_version"] for s in spans} == {0, 1}  # validation before step 1, then step 1
+
+
+def test_a_recipe_without_an_agent_is_a_start_up_error(make_recipe, endpoint_url):
+    recipe, plugins = make_recipe([f"plugins.slots.collect_rollouts={LOCAL_RUNNER}", "data.train_batch_size=3",
+                                   "trainer.val_before_train=false"], flags=["instant"])
+    t = Trainer(recipe, plugins, train_tasks=TASKS, val_tasks=[])
+    with pytest.raises(PluginError, match="rollout.agent, which is not set"):
+        t.fit()
+
+
+def test_no_policy_server_is_a_clear_error(make_recipe, agent_module):
+    t = trainer(make_recipe, agent_module, [], ["trainer.val_before_train=false", "trainer.total_steps=1"])
+    with pytest.raises(PluginError, match="returned no server URL"):
+        t.fit()
