@@ -64,3 +64,19 @@ def _logprobs(endpoint: str, logprobs: Any) -> list[float] | None:
         return None if content is None else [float(entry["logprob"]) for entry in content]
     values = logprobs.get("token_logprobs")
     return None if values is None else [float(v) for v in values]
+
+
+TOKEN_FIELDS = ("prompt_token_ids", "token_ids", "logprobs")
+
+
+def without_token_fields(response: dict[str, Any]) -> dict[str, Any]:
+    """``response`` without the token-level fields a span already holds as its own fields.
+
+    Kept whole, the per-token log-prob objects would be most of a span's size
+    and most of the objects a store keeps alive.
+    """
+    out = {key: value for key, value in response.items() if key not in TOKEN_FIELDS}
+    if isinstance(out.get("choices"), list):
+        out["choices"] = [{k: v for k, v in choice.items() if k not in TOKEN_FIELDS} if isinstance(choice, dict)
+                          else choice for choice in out["choices"]]
+    return out

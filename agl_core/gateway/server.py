@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from agl_core.config import GatewayConfig
 from agl_core.data import Span
-from agl_core.gateway.capture import CHAT, COMPLETIONS, Captured, ask_for_tokens, capture
+from agl_core.gateway.capture import CHAT, COMPLETIONS, Captured, ask_for_tokens, capture, without_token_fields
 from agl_core.gateway.upstream import Forwarded, Upstreams, post_with_retries
 from agl_core.http_server import ServerThread
 from agl_core.store import Store
@@ -222,8 +222,9 @@ def _spans(rollout_id: str, attempt_id: str, sequence_ids: list[int], endpoint: 
         return [Span(rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=sequence_ids[0], kind="llm_call",
                      attributes=attrs, start_time=start, end_time=end)]
     spans = []
+    recorded = without_token_fields(response)
     for index, (sequence_id, choice) in enumerate(zip(sequence_ids, captured)):
-        attrs = {**attributes, "response": response, "choice_index": index}
+        attrs = {**attributes, "response": recorded, "choice_index": index}
         if choice.error is not None:
             attrs["error"] = choice.error
         spans.append(Span(rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=sequence_id, kind="llm_call",
