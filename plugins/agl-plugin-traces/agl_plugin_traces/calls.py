@@ -69,7 +69,9 @@ def rollout_calls(rollout: Rollout, counts: TraceCounts) -> list[Call]:
 
     From spans: ``llm_call`` spans sorted by ``sequence_id``; a call without
     prompt or response tokens, or whose ``attributes["error"]`` is truthy, is
-    skipped; of calls with the same prompt ids (retries) only the last is kept.
+    skipped; a call with the same prompt ids as earlier calls is a retry and
+    replaces them (only the last is kept), except the further choices of one
+    request (``attributes["choice_index"]`` 1, 2, …), which are samples.
     A ``reward`` span rewards the closest preceding ``llm_call`` span; when that
     call was skipped, its reward is counted as unattached. Several rewards of
     one call add up.
@@ -100,12 +102,11 @@ def rollout_calls(rollout: Rollout, counts: TraceCounts) -> list[Call]:
         # The key only narrows the candidates; equal prompts are confirmed by comparing the ids.
         key = (len(prompt), prompt[0], prompt[len(prompt) // 2], prompt[-1])
         candidates = same_key.setdefault(key, [])
-        for i, earlier in enumerate(candidates):
-            if calls[earlier].prompt_ids == prompt:
+        if not span.attributes.get("choice_index"):  # choices 1, 2, ... of one request are samples, not retries
+            for earlier in [i for i in candidates if calls[i].prompt_ids == prompt]:
                 calls[earlier] = None
-                del candidates[i]
+                candidates.remove(earlier)
                 counts.retried += 1
-                break
         candidates.append(len(calls))
         calls.append(Call(prompt, response, span.response_logprobs, None, span.attributes.get("agent_name")))
 
