@@ -80,6 +80,9 @@ def test_a_chat_call_is_recorded_with_exact_token_ids(endpoint, store, serve):
     attrs = span.attributes
     assert attrs["request"] == {"model": "policy", "messages": messages, "temperature": 0.2}
     assert attrs["response"]["choices"][0]["message"]["content"] == "echo: hi"
+    # the per-token fields are the span's own; the recorded response does not repeat them
+    assert "prompt_token_ids" not in attrs["response"]
+    assert {"logprobs", "token_ids"}.isdisjoint(attrs["response"]["choices"][0])
     assert attrs["upstream"] == endpoint.url and attrs["status_code"] == 200 and attrs["upstream_tries"] == 1
     assert attrs["agent_name"] == "echoer" and attrs["weight_version"] == 7 and "error" not in attrs
     assert span.start_time <= span.end_time

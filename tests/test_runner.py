@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import re
 import threading
 from pathlib import Path
 
@@ -261,3 +262,11 @@ def test_no_policy_server_is_a_clear_error(make_recipe, agent_module):
     t = trainer(make_recipe, agent_module, [], ["trainer.val_before_train=false", "trainer.total_steps=1"])
     with pytest.raises(PluginError, match="returned no server URL"):
         t.fit()
+
+
+def test_the_docs_example_runs(capsys):
+    text = (Path(__file__).parents[1] / "docs" / "rollout.md").read_text()
+    example = re.findall(r"```python\n(.*?)```", text, re.S)[1]
+    exec(compile(example, "docs/rollout.md", "exec"), {"__name__": "docs_example"})
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "4.0 succeeded" and all(" succeeded 1.0 " in line for line in out[:-1])
