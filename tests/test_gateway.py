@@ -1,5 +1,8 @@
 """The gateway over real HTTP on 127.0.0.1: the openai client in, the test policy endpoint behind, spans out."""
 
+import threading
+import time
+
 import httpx
 import openai
 import pytest
@@ -245,3 +248,21 @@ def test_the_pin_is_a_stable_hash():
                                                            for i in range(50)]
     assert {upstreams.pick(f"r{i}") for i in range(50)} == {"http://a/v1", "http://b/v1"}
     assert Upstreams().pick("r") is None
+
+
+def test_a_call_in_flight_when_its_rollout_is_consumed_is_answered_not_recorded(endpoint, store, serve):
+    _, server = serve(store, [endpoint.url])
+    endpoint.delay_s = 0.3
+    answers = []
+    call = threading.Thread(target=lambda: answers.append(client(server).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "slow"}])))
+    call.start()
+    deadline = time.monotonic() + 10
+    while endpoint.calls == 0:  # until the call reached the policy server
+        assert time.monotonic() < deadline, "the call never reached the policy server"
+        time.sleep(0.01)
+    store.finish("r1", "1", "timed_out")
+    store.release(["r1"])
+    call.join(10)
+    assert answers[0].choices[0].message.content == "echo: slow"
+    assert store._entries == {}

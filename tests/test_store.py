@@ -66,9 +66,7 @@ def test_duplicate_rollout_ids_are_refused(store):
 
 
 def test_dequeue_waits_for_work_then_gives_up(store):
-    t0 = time.monotonic()
     assert store.dequeue("w", lease_s=30, wait_s=0.1) is None
-    assert time.monotonic() - t0 >= 0.09
 
     threading.Timer(0.1, lambda: store.enqueue([new("late")])).start()
     attempt = store.dequeue("w", lease_s=30, wait_s=5)

@@ -14,6 +14,7 @@ import contextlib
 import hmac
 import ipaddress
 import json
+import logging
 import os
 import time
 from typing import Any
@@ -32,6 +33,7 @@ from agl_core.http_server import ServerThread
 from agl_core.store import Store
 
 TOKEN_ENV = "AGL_GATEWAY_TOKEN"
+log = logging.getLogger("agl_core.gateway")
 PREFIX = "/rollout/{rollout_id}/attempt/{attempt_id}/v1"
 
 
@@ -124,9 +126,11 @@ class Gateway:
             if not state.current:
                 raise RequestError(409, f"attempt {attempt_id!r} of rollout {rollout_id!r} is not running "
                                         f"(the rollout is {state.rollout_status}); its calls are not recorded")
+            sequence_ids = [self.store.next_sequence_id(rollout_id) for _ in range(max(1, body.get("n") or 1))]
         except RequestError as exc:
             return error_response(exc.status, str(exc))
-        sequence_ids = [self.store.next_sequence_id(rollout_id) for _ in range(max(1, body.get("n") or 1))]
+        except KeyError:  # released between the check and here: it ended meanwhile
+            return error_response(409, f"rollout {rollout_id!r} ended; its calls are not recorded")
         start = time.time()
         upstream = self.upstreams.pick(rollout_id)
         if upstream is None:
@@ -140,7 +144,10 @@ class Gateway:
                   "upstream_tries": forwarded.tries, "weight_version": self.weight_version,
                   "agent_name": state.metadata.get("agent_name")}
         spans = _spans(rollout_id, attempt_id, sequence_ids, endpoint, forwarded, common, start, time.time())
-        self.store.add_spans(spans)
+        try:
+            self.store.add_spans(spans)
+        except KeyError:  # the rollout ended (timed out) and was consumed while this call was in flight
+            log.info("rollout %s was released before its call returned; the call is not recorded", rollout_id)
         if forwarded.error is not None:
             return error_response(forwarded.status, forwarded.error)
         return Response(forwarded.body, forwarded.status, media_type="application/json")
