@@ -1,8 +1,10 @@
 """The local runner end to end: real agents with the openai client, the gateway, the test endpoint, a store."""
 
 import asyncio
+import contextlib
 import json
 import re
+import sqlite3
 import threading
 from pathlib import Path
 
@@ -241,10 +243,9 @@ def test_collect_rollouts_through_the_trainer_with_a_sqlite_store(make_recipe, a
     assert metrics["training/skipped_step"] == 1.0  # the instant backend trains on triplets, not spans
     assert LOCAL_RUNNER not in t.ctx.state  # closed at the end of the run
 
-    import sqlite3
-    conn = sqlite3.connect(Path(t.ctx.run_dir) / "rollouts.sqlite")
-    assert conn.execute("SELECT COUNT(*), SUM(status = 'succeeded') FROM rollouts").fetchone() == (9, 9)
-    spans = [json.loads(row[0]) for row in conn.execute("SELECT span FROM spans")]
+    with contextlib.closing(sqlite3.connect(Path(t.ctx.run_dir) / "rollouts.sqlite")) as conn:
+        assert conn.execute("SELECT COUNT(*), SUM(status = 'succeeded') FROM rollouts").fetchone() == (9, 9)
+        spans = [json.loads(row[0]) for row in conn.execute("SELECT span FROM spans")]
     assert len(spans) == 9 and all(len(s["response_token_ids"]) == 5 for s in spans)
     assert {s["attributes"]["agent_name"] for s in spans} == {"repeater"}
     assert {s["attributes"]["weight_version"] for s in spans} == {0, 1}  # validation before step 1, then step 1

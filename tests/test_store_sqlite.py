@@ -1,5 +1,6 @@
 """The sqlite store's own promises: a real file in WAL mode, crash safety, several processes, the plugin."""
 
+import contextlib
 import selectors
 import signal
 import sqlite3
@@ -47,7 +48,8 @@ def test_file_is_wal_and_survives_reopening(tmp_path):
     store.add_spans([Span(rollout_id="a", attempt_id="1", sequence_id=store.next_sequence_id("a"),
                           kind="reward", reward=1.0)])
     store.close()
-    assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
     reopened = SqliteStore(path)
     assert reopened.next_sequence_id("a") == 1  # counted on from what the file holds
@@ -63,8 +65,8 @@ def test_released_rollouts_are_deleted_unless_kept(tmp_path):
     store.add_spans([Span(rollout_id="a", sequence_id=0, kind="annotation")])
     store.release(["a"])
     assert store.get_rollouts(["a"]) == []
-    conn = sqlite3.connect(tmp_path / "r.sqlite")
-    assert conn.execute("SELECT COUNT(*) FROM spans").fetchone()[0] == 0
+    with contextlib.closing(sqlite3.connect(tmp_path / "r.sqlite")) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM spans").fetchone()[0] == 0
     store.close()
 
 
@@ -92,9 +94,9 @@ def test_kill_9_of_a_writing_process_keeps_every_committed_span(tmp_path):
     try:
         lines = read_lines(proc, lambda lines: len(lines) >= 20)
         proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
     finally:
         proc.kill()
+        proc.communicate(timeout=10)  # reaps it and closes the pipes
     committed = int(lines[-1])
 
     conn = sqlite3.connect(path)
@@ -139,7 +141,7 @@ def test_two_processes_dequeue_each_rollout_exactly_once(tmp_path):
     finally:
         for proc in procs:
             proc.kill()
-            proc.wait(10)
+            proc.communicate(timeout=10)
     assert sorted(taken) == sorted(f"r{i}" for i in range(40))
     assert store.wait([f"r{i}" for i in range(40)], timeout_s=1) == {f"r{i}" for i in range(40)}
     store.close()
