@@ -97,10 +97,17 @@ class Store(Protocol):
         """Whether ``attempt_id`` is the running attempt of ``rollout_id``; None for an unknown rollout."""
 
     def next_sequence_id(self, rollout_id: str) -> int:
-        """The next span sequence id of the rollout (0, 1, …): the order of its events."""
+        """The next span sequence id of the rollout (0, 1, …): the order of its events.
+
+        A store may raise KeyError for a rollout it does not hold (never queued, or released).
+        """
 
     def add_spans(self, spans: Sequence[Span]) -> None:
-        """Record spans. A store may write them in batches; :meth:`flush` and every read see them."""
+        """Record spans. A store may write them in batches; :meth:`flush` and every read see them.
+
+        A store may raise KeyError for spans of a rollout it does not hold (the
+        gateway drops the spans of a call that outlived its rollout).
+        """
 
     def flush(self) -> None:
         """Return once every span added so far is durable (as durable as the store gets)."""
