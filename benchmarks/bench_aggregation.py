@@ -20,11 +20,14 @@ Every output tensor and column is asserted identical, then one JSON line is
 printed:
 
     {"bench": "aggregation", "aggregator": "trajectory", "rollouts": 4096, "turns": 8, "rows": ...,
-     "tokens": ..., "ours_s": ..., "reference_s": ..., "speedup": ..., "output_bytes": ...,
-     "peak_bytes": ..., "peak_over_output": ...}
+     "tokens": ..., "ours_s": ..., "reference_s": ..., "speedup": ..., "prefix_check_s": ...,
+     "output_bytes": ..., "peak_bytes": ..., "peak_over_output": ...}
 
-Times are medians over ``--repeats`` runs after one untimed warm-up, with
-torch.set_num_threads(2). ``peak_bytes`` is the peak of memory allocated while
+Times are medians over ``--repeats`` runs after one untimed warm-up (the
+reference: over a third as many), with torch.set_num_threads(2).
+``prefix_check_s`` is the time of the token comparisons alone (each prompt
+against the previous prompt + response), which any exact implementation
+makes: a floor for both. ``peak_bytes`` is the peak of memory allocated while
 our aggregator builds the batch (a separate run, measured as the kernel's
 high-water mark of the resident set, so every allocation counts), and
 ``output_bytes`` the size of the output tensors. Linux only.
@@ -185,7 +188,25 @@ def ours(rollouts: list[Rollout]) -> Batch:
     return trajectory_batch(rollouts, MAX_PROMPT, MAX_RESPONSE)[0]
 
 
-def median_seconds(fn: Callable[[], Batch], repeats: int) -> tuple[float, Batch]:
+def prefix_check(rollouts: list[Rollout]) -> None:
+    """Only the token comparisons any exact implementation makes: each prompt against the previous prompt + response.
+
+    Every prompt token id is a separate Python int parsed from JSON, so
+    this alone reads the spans' 29 M prompt ids once; it bounds how fast any
+    implementation can be.
+    """
+    for rollout in rollouts:
+        previous = None
+        for span in rollout.spans:
+            if span.kind != "llm_call":
+                continue
+            if previous is not None:
+                prompt, n, m = span.prompt_token_ids, len(previous.prompt_token_ids), len(previous.response_token_ids)
+                _ = prompt[:n] == previous.prompt_token_ids and prompt[n:n + m] == previous.response_token_ids
+            previous = span
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
     """Median wall time of ``fn`` over ``repeats`` runs after a warm-up; returns the last result."""
     result = fn()
     times = []
@@ -252,6 +273,7 @@ def main() -> None:
 
     rollouts = make_rollouts(args.rollouts, args.turns)
     ours_s, batch = median_seconds(lambda: ours(rollouts), args.repeats)
+    prefix_check_s, _ = median_seconds(lambda: prefix_check(rollouts), args.repeats)
     reference_s, expected = median_seconds(lambda: reference_trajectory(rollouts, MAX_PROMPT, MAX_RESPONSE),
                                            max(1, args.repeats // 3))
     assert_identical(batch, expected)
@@ -262,6 +284,7 @@ def main() -> None:
         "bench": "aggregation", "aggregator": "trajectory", "rollouts": args.rollouts, "turns": args.turns,
         "rows": rows, "tokens": tokens,
         "ours_s": round(ours_s, 4), "reference_s": round(reference_s, 4), "speedup": round(reference_s / ours_s, 1),
+        "prefix_check_s": round(prefix_check_s, 4),
         "output_bytes": size, "peak_bytes": peak, "peak_over_output": round(peak / size, 2),
     }))
 
