@@ -252,7 +252,7 @@ def test_the_pin_is_a_stable_hash():
 
 def test_a_call_in_flight_when_its_rollout_is_consumed_is_answered_not_recorded(endpoint, store, serve):
     _, server = serve(store, [endpoint.url])
-    endpoint.delay_s = 0.3
+    endpoint.delay_s = 1.0  # time to consume the rollout while the call is in flight
     answers = []
     call = threading.Thread(target=lambda: answers.append(client(server).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "slow"}])))

@@ -130,11 +130,11 @@ def test_an_agent_that_never_returns_times_out_and_the_step_goes_on(plane, kind)
             await asyncio.sleep(60)
         return 1.0
 
-    runner = plane.runner(stuck if kind == "sync" else stuck_async, n_workers=1, timeout_s=0.5)
+    runner = plane.runner(stuck if kind == "sync" else stuck_async, n_workers=1, timeout_s=1.5)
     try:
         result = runner.run(TASKS)
         assert [r.status for r in result.rollouts] == ["timed_out", "succeeded", "succeeded"]
-        assert "did not finish within rollout.timeout_s=0.5" in result.rollouts[0].error
+        assert "did not finish within rollout.timeout_s=1.5" in result.rollouts[0].error
         assert result.metrics["rollout/n_timed_out"] == 1
         # the stuck worker was replaced: the runner still has a worker for the next step
         assert [r.status for r in runner.run(TASKS[1:]).rollouts] == ["succeeded", "succeeded"]
@@ -168,7 +168,7 @@ def test_lost_attempts_are_requeued_up_to_max_attempts(lose, max_attempts, statu
     def llm_for(rollout_id, attempt_id):
         return LLM("http://unused/v1", "policy", "key")
 
-    runner = LocalRunner(store, lambda task, llm: 1.0, llm_for, n_workers=2, lease_s=0.2,
+    runner = LocalRunner(store, lambda task, llm: 1.0, llm_for, n_workers=2, lease_s=1.0,
                          max_attempts=max_attempts).start()
     try:
         result = runner.run(TASKS)

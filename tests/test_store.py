@@ -93,11 +93,11 @@ def test_expired_lease_is_requeued_then_fails_after_max_attempts(store):
 
 def test_heartbeat_keeps_an_attempt_alive(store):
     store.enqueue([new("a", max_attempts=1)])
-    attempt = store.dequeue("w", lease_s=0.15)
-    for _ in range(4):
-        time.sleep(0.05)
-        assert store.heartbeat("a", attempt.attempt_id, 0.15)
-    assert store.requeue_expired() == 0
+    attempt = store.dequeue("w", lease_s=0.5)
+    time.sleep(0.05)
+    assert store.heartbeat("a", attempt.attempt_id, 30)
+    time.sleep(0.6)  # past the first lease: only the heartbeat keeps it
+    assert store.requeue_expired() == 0 and store.attempt_state("a", attempt.attempt_id).current
     assert store.finish("a", attempt.attempt_id, "timed_out", error="too slow")
     assert store.get_rollouts(["a"])[0].status == "timed_out"
 
