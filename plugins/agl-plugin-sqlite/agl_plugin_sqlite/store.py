@@ -56,8 +56,9 @@ CREATE INDEX IF NOT EXISTS spans_by_rollout ON spans (rollout_id, attempt_id, se
 
 _COLUMNS = ("rollout_id, task, sample_index, metadata, status, attempts, final_reward, error, "
             "start_time, end_time")
-POLL_S = 0.02
-"""How often a waiting caller looks at the file for changes made by other processes."""
+POLL_S = 0.05
+"""How often a waiting caller looks at the file for changes made by other processes (this
+process's own changes wake it at once)."""
 
 
 class SqliteStore:
@@ -137,15 +138,19 @@ class SqliteStore:
         deadline = time.monotonic() + wait_s
         while True:
             self.requeue_expired()
-            with self._transaction() as conn:
-                row = conn.execute("SELECT rollout_id, task, sample_index, metadata, attempts FROM rollouts "
-                                   "WHERE status = ? ORDER BY priority LIMIT 1", (QUEUING,)).fetchone()
-                if row is not None:
-                    rollout_id, task, sample_index, metadata, attempts = row
-                    now = time.time()
-                    conn.execute("UPDATE rollouts SET status = ?, attempts = ?, worker_id = ?, lease_expires = ?, "
-                                 "start_time = ? WHERE rollout_id = ?",
-                                 (RUNNING, attempts + 1, worker_id, now + lease_s, now, rollout_id))
+            row = None
+            # An idle worker polls: look without the write lock, take it only when there is work.
+            if self._connection().execute("SELECT 1 FROM rollouts WHERE status = ? LIMIT 1",
+                                          (QUEUING,)).fetchone() is not None:
+                with self._transaction() as conn:
+                    row = conn.execute("SELECT rollout_id, task, sample_index, metadata, attempts FROM rollouts "
+                                       "WHERE status = ? ORDER BY priority LIMIT 1", (QUEUING,)).fetchone()
+                    if row is not None:
+                        rollout_id, task, sample_index, metadata, attempts = row
+                        now = time.time()
+                        conn.execute("UPDATE rollouts SET status = ?, attempts = ?, worker_id = ?, "
+                                     "lease_expires = ?, start_time = ? WHERE rollout_id = ?",
+                                     (RUNNING, attempts + 1, worker_id, now + lease_s, now, rollout_id))
             if row is not None:
                 return Attempt(rollout_id, str(attempts + 1), Task.model_validate_json(task), sample_index,
                                json.loads(metadata))
