@@ -24,6 +24,8 @@ import importlib
 import inspect
 import json
 import math
+import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -88,10 +90,14 @@ def check_signature(fn: Callable) -> None:
 def load_agent(spec: str) -> Callable:
     """The agent named by the recipe key ``rollout.agent`` (``module:attr`` or an ``agl_core.agents`` name).
 
-    Raises ValueError with what was tried and what exists.
+    A module is also looked for in the working directory. Raises ValueError
+    with what was tried and what exists.
     """
     if ":" in spec:
         module_name, _, attr = spec.partition(":")
+        # As uvicorn does for its apps: `agl train` started in a project finds that project's agents.
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:

@@ -1,6 +1,7 @@
 """The agent API: naming and loading agents, emitting rewards and annotations."""
 
 import math
+import sys
 
 import pytest
 
@@ -36,7 +37,7 @@ box = Box()
 def agents_module(tmp_path, monkeypatch):
     (tmp_path / "my_agents.py").write_text(AGENT_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(__import__("sys").modules, "my_agents", raising=False)
+    monkeypatch.delitem(sys.modules, "my_agents", raising=False)
     return "my_agents"
 
 
@@ -113,3 +114,11 @@ def test_emit_records_spans_in_order_with_the_agent_name():
                                                                  (2, "reward", 1.0)]
     assert spans[0].attributes == {"agent_name": "guesser", "tool": "search", "hits": 3}
     assert spans[1].attributes["stage"] == "first" and spans[1].attempt_id == "1"
+
+
+def test_an_agent_module_in_the_working_directory_is_found(tmp_path, monkeypatch):
+    (tmp_path / "cwd_agent.py").write_text("def run(task, llm):\n    return 3.0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "cwd_agent", raising=False)
+    assert load_agent("cwd_agent:run")(None, None) == 3.0
