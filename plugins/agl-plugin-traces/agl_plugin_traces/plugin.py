@@ -7,6 +7,7 @@
   ``fn(ctx, rollouts) -> Batch`` and reports its metrics in
   ``ctx.step_metrics``; another plugin may register more and a recipe pick them.
 * ``register_estimators``: the rollout-level estimators (``grpo_rollout``, …).
+* ``on_train_start``: checks that the recipe's aggregator is registered.
 """
 
 from __future__ import annotations
@@ -89,6 +90,12 @@ def register_aggregators(register):
 def register_estimators(register):
     for name, estimator in ROLLOUT_ESTIMATORS.items():
         register(name, estimator)
+
+
+@hookimpl
+def on_train_start(ctx):
+    """Fail before the first step, not after its rollouts, when the recipe names an unknown aggregator."""
+    ctx.components.get("aggregator", settings_of(ctx).aggregator)
 
 
 @hookimpl

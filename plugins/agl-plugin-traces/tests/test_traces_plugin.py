@@ -21,8 +21,8 @@ from traces_testkit import conversation, llm, rollout
 def test_the_installed_entry_point_loads_and_passes_the_contract_checks():
     plugin = PluginSet.load(enable=["traces"]).plugins["traces"]
     assert (plugin.distribution, plugin.status) == ("agl-plugin-traces", "active")
-    assert plugin.hooks == ["plugin_config_schema", "post_process_batch", "register_aggregators",
-                            "register_estimators"]
+    assert plugin.hooks == ["on_train_start", "plugin_config_schema", "post_process_batch",
+                            "register_aggregators", "register_estimators"]
     assert plugin.order == 5
     check_plugin(traces_plugin, "traces")
 
@@ -50,9 +50,11 @@ def context(make_recipe, overrides):
     return TrainContext(recipe, pset, Components.collect(pset), Path(recipe.trainer.run_dir))
 
 
-def test_an_unknown_aggregator_name_lists_the_registered_ones(make_recipe):
+def test_an_unknown_aggregator_name_lists_the_registered_ones_at_start_up(make_recipe):
     ctx = context(make_recipe, ["plugins.traces.aggregator=sft"])
     with pytest.raises(PluginError, match="unknown aggregator 'sft'; registered: .*trajectory"):
+        traces_plugin.on_train_start(ctx)
+    with pytest.raises(PluginError, match="unknown aggregator 'sft'"):
         traces_plugin.post_process_batch(ctx, Batch(meta={"rollouts": [rollout([llm(0, [1], [2])])]}))
 
 
