@@ -6,10 +6,10 @@ since the previous call (tool results, environment text, template tokens:
 ``response_mask = 0``) and how many the model produced (``response_mask =
 1``, trainable). Only lengths are recorded per turn; the tokens themselves
 are copied once per row from the row's last call, whose prompt + response
-holds every token of the row. The builder appends to flat Python lists (one
-C-level ``extend`` per row, no work per token in Python);
-:meth:`RowBuilder.to_batch` then converts the tokens once and writes every
-tensor with whole-array NumPy operations.
+holds every token of the row. The builder converts the tokens of each row
+in one or two C-level calls (no work per token in Python) and keeps the rest
+in flat lists; :meth:`RowBuilder.to_batch` then writes every tensor with
+whole-array NumPy operations.
 
 Layout, as the reference trainer and verl expect it: each row is
 ``P + R`` columns, the prompt left-padded into the first ``P`` and the
@@ -17,8 +17,6 @@ response right-padded into the last ``R``.
 """
 
 from __future__ import annotations
-
-from array import array
 
 import numpy as np
 import torch
@@ -36,7 +34,7 @@ class RowBuilder:
 
     def __init__(self, max_prompt_length: int, max_response_length: int):
         self.P, self.R = max_prompt_length, max_response_length
-        self.tokens: list[int] = []  # row after row: its kept prompt ids, then its kept response ids
+        self.tokens: list[np.ndarray] = []  # row after row: its kept prompt ids, then its kept response ids
         self.prompt_len: list[int] = []
         self.response_len: list[int] = []
         # Response runs of all rows, in order, in pairs: (context tokens, mask 0), (model tokens, mask 1).
@@ -76,15 +74,15 @@ class RowBuilder:
         # The response is the window of the row's last context (prompt + response) that starts here.
         self._window = len(prompt_ids)
         if len(prompt_ids) <= self.P:
-            self.tokens += prompt_ids
+            self._take(prompt_ids)
             self._prompt_len = len(prompt_ids)
         elif overflow_to_response:
-            self.tokens += prompt_ids[: self.P]
+            self._take(prompt_ids[: self.P])
             self._prompt_len = self._window = self.P
             self._overflowed = True
             self.add_turn(len(prompt_ids) - self.P, 0, None)
         else:
-            self.tokens += prompt_ids[-self.P:]
+            self._take(prompt_ids[-self.P:])
             self._prompt_len = self.P
             self._drop = True
 
@@ -126,9 +124,9 @@ class RowBuilder:
             self.n_no_trainable_token += 1
             return False
         start, stop = self._window, self._window + self._length
-        self.tokens += prompt_ids[start:stop]
+        self._take(prompt_ids[start:stop])
         if stop > len(prompt_ids):
-            self.tokens += response_ids[: stop - len(prompt_ids)]
+            self._take(response_ids[: stop - len(prompt_ids)])
         row = len(self.prompt_len)
         self.prompt_len.append(self._prompt_len)
         self.response_len.append(self._length)
@@ -144,6 +142,10 @@ class RowBuilder:
         self.n_prompt_overflow_masked += self._overflowed
         self.n_response_truncated += self._truncated
         return True
+
+    def _take(self, ids: list[int]) -> None:
+        # One conversion per piece: C-level, and no Python list of all the batch's tokens to hold.
+        self.tokens.append(np.fromiter(ids, dtype=np.int64, count=len(ids)))
 
     # ------------------------------------------------------------------ all rows
 
@@ -192,7 +194,10 @@ class RowBuilder:
 
         # Boolean assignment fills the True cells in row-major order: exactly the order the tokens were appended.
         input_ids = torch.full((n, P + R), pad_token_id, dtype=torch.int64)
-        input_ids.numpy()[attended.numpy()] = np.frombuffer(array("q", self.tokens), dtype=np.int64)
+        tokens = torch.empty(int(length.sum()), dtype=torch.int64)
+        if self.tokens:
+            np.concatenate(self.tokens, out=tokens.numpy())
+        input_ids.numpy()[attended.numpy()] = tokens.numpy()
         response_mask = torch.zeros((n, R), dtype=torch.int64)
         mask_of_runs = np.tile(np.array([0, 1], dtype=np.int8), len(self.runs) // 2)
         response_mask.numpy()[attended.numpy()[:, P:]] = np.repeat(mask_of_runs, self.runs)
