@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from agl_core.data import Batch, Rollout
 
@@ -47,7 +47,8 @@ class Breaks:
 
 def trajectory_batch(rollouts: Iterable[Rollout], max_prompt_length: int, max_response_length: int, *,
                      per_call_rewards: bool = False, missing_reward: float | None = 0.0,
-                     later_prompt_overflow: str = "response", tokenizer: Tokenizer | None = None,
+                     later_prompt_overflow: Literal["response", "drop"] = "response",
+                     tokenizer: Tokenizer | None = None,
                      keep_break_records: bool = False,
                      pad_token_id: int = 0) -> tuple[Batch, dict[str, float], Breaks]:
     """Merged rows of the succeeded rollouts, the aggregation metrics, and the prefix breaks.
