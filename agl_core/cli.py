@@ -1,4 +1,4 @@
-"""The ``agl`` command: train, plugins, config show, doctor."""
+"""The ``agl`` command: train, plugins, config show, doctor, plot."""
 
 from __future__ import annotations
 
@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("recipe", nargs="?")
     doctor.add_argument("overrides", nargs="*")
     doctor.set_defaults(run=cmd_doctor)
+
+    plot = sub.add_parser("plot", help="draw a run's curves (reward, KL, entropy, ...) into a PNG")
+    plot.add_argument("run_dir", help="run directory (trainer.run_dir) holding metrics.jsonl")
+    plot.add_argument("-o", "--out", help="PNG to write (default: RUN_DIR/curves.png)")
+    plot.set_defaults(run=cmd_plot)
     return parser
 
 
@@ -126,6 +131,13 @@ def cmd_doctor(args) -> int:
     stages = plugins.pipeline("post_process_batch", recipe.plugins.order.get("post_process_batch"))
     print("post_process_batch pipeline: " + (" -> ".join(n for n, _ in stages) or "(empty)"))
     return 1 if problems else 0
+
+
+def cmd_plot(args) -> int:
+    from agl_core.plot import plot_run
+
+    print(plot_run(args.run_dir, args.out))
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,45 @@
+"""Built-in plugin ``tensorboard``: every logged metric as a TensorBoard scalar in ``<run_dir>/tensorboard``.
+
+Active in every run, like the JSONL logger; a recipe turns it off with
+``plugins: {disable: [tensorboard]}`` (or ``-p no:tensorboard``). The writer
+is opened at the first logged step, so a run that logs nothing writes
+nothing. View with ``tensorboard --logdir <run_dir>/tensorboard``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from agl_core import HOOK_API_VERSION, hookimpl
+
+AGL_HOOK_API = HOOK_API_VERSION
+NAME = "tensorboard"
+DIRNAME = "tensorboard"
+
+
+def writer_of(ctx):
+    """The run's ``SummaryWriter``, opened on first use."""
+    if NAME not in ctx.state:
+        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only runs that log pay for it
+
+        ctx.state[NAME] = SummaryWriter(log_dir=str(ctx.run_dir / DIRNAME))
+    return ctx.state[NAME]
+
+
+@hookimpl
+def log_metrics(ctx, metrics, step):
+    writer = writer_of(ctx)
+    for key, value in metrics.items():
+        if isinstance(value, bool) or not hasattr(value, "__float__"):
+            continue
+        value = float(value)
+        if math.isfinite(value):  # TensorBoard draws NaN/inf as gaps at best; JSONL keeps them as null
+            writer.add_scalar(key, value, step)
+    writer.flush()  # a killed run keeps every step it logged, as with the JSONL file
+
+
+@hookimpl
+def on_train_end(ctx):
+    writer = ctx.state.pop(NAME, None)
+    if writer is not None:
+        writer.close()
