@@ -1,0 +1,194 @@
+"""The backend's state for one run: models, optimizers, the serving engine and its HTTP server.
+
+It lives in ``ctx.state["torch"]`` and is made on first use, which is
+``load_checkpoint`` when a run resumes and ``on_train_start`` otherwise.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from agl_core.data import Batch
+from agl_core.http_server import ServerThread
+
+from agl_plugin_torch import modeling
+from agl_plugin_torch.engine import Engine
+from agl_plugin_torch.forward import response_logprobs, response_values
+from agl_plugin_torch.server import PolicyServer
+from agl_plugin_torch.settings import TorchConfig
+from agl_plugin_torch.training import make_optimizer
+
+NAME = "torch"
+STATE_FILE = "torch_state.pt"
+ACTOR_DIR = "actor"
+
+
+@dataclass
+class Backend:
+    """Everything the backend holds during a run.
+
+    ``source`` is the directory of the initial model (the recipe's path, or
+    the made model in the run directory); the reference policy is loaded
+    from it, so a resumed run gets the same reference. ``lock`` serialises
+    generation and training on the shared weights.
+    """
+
+    config: TorchConfig
+    source: Path
+    actor: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    actor_optim: torch.optim.Optimizer
+    actor_sched: Any
+    generator: torch.Generator
+    critic: modeling.ValueModel | None = None
+    critic_optim: torch.optim.Optimizer | None = None
+    critic_sched: Any = None
+    ref: PreTrainedModel | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    engine: Engine | None = None
+    server: ServerThread | None = None
+    weight_version: int = 0
+
+    # ------------------------------------------------------------ serving
+
+    def start_serving(self, model_name: str) -> None:
+        """Start the engine and the OpenAI-compatible server (idempotent)."""
+        if self.server is not None:
+            return
+        serving = self.config.serving
+        self.engine = Engine(self.actor, self.lock, eos_token_ids=eos_token_ids(self.actor, self.tokenizer),
+                             pad_token_id=self.tokenizer.pad_token_id,
+                             decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+                             generator=self.generator, max_batch_rows=serving.max_batch_rows,
+                             batch_wait_s=serving.batch_wait_ms / 1000)
+        self.engine.weight_version = self.weight_version
+        self.engine.start()
+        context = self.actor.config.max_position_embeddings
+        try:
+            self.server = PolicyServer(self.engine, self.tokenizer, context, serving, model_name).serve()
+        except BaseException:
+            self.engine.stop()
+            raise
+
+    @property
+    def url(self) -> str:
+        """The base URL of the policy endpoint (``http://127.0.0.1:PORT/v1``)."""
+        if self.server is None:
+            raise RuntimeError("the policy endpoint is not serving (it starts in on_train_start)")
+        return f"{self.server.url}/v1"
+
+    def set_weight_version(self, version: int) -> None:
+        with self.lock:
+            self.weight_version = version
+            if self.engine is not None:
+                self.engine.weight_version = version
+
+    def stop_serving(self) -> None:
+        try:
+            if self.server is not None:
+                self.server.stop()
+        finally:
+            if self.engine is not None:
+                self.engine.stop()
+            self.server = self.engine = None
+
+    # ------------------------------------------------------------ models
+
+    def reference(self) -> PreTrainedModel:
+        """The frozen reference policy: the initial weights, loaded on first use."""
+        if self.ref is None:
+            self.ref = modeling.frozen_copy(modeling.load(self.source, self.config.model)[0])
+        return self.ref
+
+    @torch.no_grad()
+    def logprobs(self, model: torch.nn.Module, batch: Batch, with_entropy: bool) -> tuple[torch.Tensor, Any]:
+        """Response log-probs (and entropy) of every row, in forward micro-batches."""
+        device = _device(model)
+        parts = [response_logprobs(model, *_inputs(batch, rows, device), batch["responses"][rows].to(device),
+                                   with_entropy=with_entropy)
+                 for rows in _slices(len(batch), self.config.forward_micro_batch_size)]
+        log_probs = torch.cat([p[0] for p in parts]).cpu()
+        return log_probs, torch.cat([p[1] for p in parts]).cpu() if with_entropy else None
+
+    @torch.no_grad()
+    def values(self, batch: Batch) -> torch.Tensor:
+        width = batch["responses"].shape[1]
+        device = _device(self.critic)
+        return torch.cat([response_values(self.critic, *_inputs(batch, rows, device), width)
+                          for rows in _slices(len(batch), self.config.forward_micro_batch_size)]).cpu()
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save(self, path: Path) -> None:
+        """The actor as a Hugging Face directory (``path/actor``) and the rest in ``path/torch_state.pt``."""
+        self.actor.save_pretrained(path / ACTOR_DIR)
+        self.tokenizer.save_pretrained(path / ACTOR_DIR)
+        state = {"actor_optim": self.actor_optim.state_dict(), "actor_sched": self.actor_sched.state_dict(),
+                 "generator": self.generator.get_state(), "weight_version": self.weight_version}
+        if self.critic is not None:
+            state.update(critic=self.critic.state_dict(), critic_optim=self.critic_optim.state_dict(),
+                         critic_sched=self.critic_sched.state_dict())
+        torch.save(state, path / STATE_FILE)
+
+    def load(self, path: Path) -> None:
+        actor = modeling.load(path / ACTOR_DIR, self.config.model)[0]
+        with self.lock:
+            self.actor.load_state_dict(actor.state_dict())
+        state = torch.load(path / STATE_FILE, weights_only=False, map_location="cpu")
+        self.actor_optim.load_state_dict(state["actor_optim"])
+        self.actor_sched.load_state_dict(state["actor_sched"])
+        self.generator.set_state(state["generator"])
+        if self.critic is not None:
+            if "critic" not in state:
+                raise RuntimeError(f"the checkpoint {path} has no critic, but this run's estimator needs one")
+            self.critic.load_state_dict(state["critic"])
+            self.critic_optim.load_state_dict(state["critic_optim"])
+            self.critic_sched.load_state_dict(state["critic_sched"])
+        self.set_weight_version(state["weight_version"])
+
+
+def create(config: TorchConfig, run_dir: Path, seed: int, with_critic: bool) -> Backend:
+    """Make or load the model, its optimizer and (when the estimator needs one) the critic."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    source = modeling.create(config.model, run_dir / "model", seed)
+    actor, tokenizer = modeling.load(source, config.model)
+    actor_optim, actor_sched = make_optimizer(actor.parameters(), config.actor)
+    device = _device(actor)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    backend = Backend(config, source, actor, tokenizer, actor_optim, actor_sched, generator)
+    if with_critic:
+        backend.critic = modeling.ValueModel(actor)
+        backend.critic_optim, backend.critic_sched = make_optimizer(backend.critic.parameters(), config.critic)
+    return backend
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids that end a response: the tokenizer's EOS and the model's generation config's."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return sorted(i for i in ids if i is not None)
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _slices(n: int, size: int) -> list[slice]:
+    return [slice(start, start + size) for start in range(0, n, size)]
+
+
+def _inputs(batch: Batch, rows: slice, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(batch[key][rows].to(device) for key in ("input_ids", "attention_mask", "position_ids"))
+
+
+def on_device(batch: Batch, keys: list[str], device: torch.device) -> Batch:
+    """A batch of the ``keys`` columns of ``batch`` on ``device`` (no copy when already there)."""
+    return Batch({key: batch[key].to(device) for key in keys})

@@ -1,0 +1,122 @@
+"""The generation engine: requests from many threads, generated in batches by one worker thread.
+
+Concurrent agents send their model calls at about the same time; the
+engine's worker takes every request waiting in its queue (waiting briefly for
+more after each arrival) and generates them as one batch, so N agents cost
+one forward pass per token instead of N. The worker holds the model lock
+while it generates, and the trainer holds it while it computes or updates:
+a response is always made by one version of the weights, the one it reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from agl_plugin_torch.sampling import Sample, SamplingParams, generate
+
+log = logging.getLogger("agl_plugin_torch")
+
+IDLE_POLL_S = 0.1
+"""How often an idle worker checks whether it should stop."""
+
+
+@dataclass
+class Generated:
+    """The samples of one request and the weight version that produced them."""
+
+    samples: list[Sample]
+    weight_version: int
+
+
+@dataclass
+class _Job:
+    prompts: Sequence[Sequence[int]]
+    params: Sequence[SamplingParams]
+    future: Future = field(default_factory=Future)
+
+
+class Engine:
+    """Batches generation requests over ``model`` (shared with the trainer, guarded by ``lock``).
+
+    ``weight_version`` is what the trainer sets after each update; it is
+    read under the lock together with the weights. ``generator`` draws the
+    samples of unseeded requests.
+    """
+
+    def __init__(self, model: torch.nn.Module, lock: threading.Lock, *, eos_token_ids: Sequence[int],
+                 pad_token_id: int, decode: Callable[[list[int]], str], generator: torch.Generator,
+                 max_batch_rows: int = 256, batch_wait_s: float = 0.002):
+        self.model, self.lock, self.generator = model, lock, generator
+        self.eos_token_ids, self.pad_token_id, self.decode = list(eos_token_ids), pad_token_id, decode
+        self.max_batch_rows, self.batch_wait_s = max_batch_rows, batch_wait_s
+        self.weight_version = 0
+        self.batches = 0  # generated batches, for tests and metrics
+        self._queue: queue.Queue[_Job] = queue.Queue()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._work, name="agl-torch-engine", daemon=True)
+
+    def start(self) -> Engine:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the worker; requests still queued fail with RuntimeError."""
+        self._stopping.set()
+        self._thread.join(timeout_s)
+        while not self._queue.empty():
+            self._queue.get_nowait().future.set_exception(RuntimeError("the policy engine stopped"))
+
+    def submit(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> Future:
+        """Queue the generation of ``prompts`` (one params each); the future resolves to :class:`Generated`."""
+        if self._stopping.is_set():
+            raise RuntimeError("the policy engine stopped")
+        job = _Job(prompts, params)
+        self._queue.put(job)
+        return job.future
+
+    def _work(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                jobs = [self._queue.get(timeout=IDLE_POLL_S)]
+            except queue.Empty:
+                continue
+            self._gather_more(jobs)
+            try:
+                self._run(jobs)
+            except Exception as exc:  # the requests fail with the error; the engine keeps serving
+                log.exception("generation failed")
+                for job in jobs:
+                    if not job.future.done():
+                        job.future.set_exception(exc)
+
+    def _gather_more(self, jobs: list[_Job]) -> None:
+        """Add requests arriving within ``batch_wait_s`` of the previous one, up to ``max_batch_rows``."""
+        rows = len(jobs[0].prompts)
+        while rows < self.max_batch_rows:
+            try:
+                job = self._queue.get(timeout=self.batch_wait_s) if self.batch_wait_s else self._queue.get_nowait()
+            except queue.Empty:
+                return
+            jobs.append(job)
+            rows += len(job.prompts)
+
+    def _run(self, jobs: list[_Job]) -> None:
+        prompts = [p for job in jobs for p in job.prompts]
+        params = [p for job in jobs for p in job.params]
+        with self.lock:
+            version = self.weight_version
+            samples = generate(self.model, prompts, params, eos_token_ids=self.eos_token_ids,
+                               pad_token_id=self.pad_token_id, decode=self.decode, generator=self.generator)
+            self.batches += 1
+        start = 0
+        for job in jobs:
+            job.future.set_result(Generated(samples[start:start + len(job.prompts)], version))
+            start += len(job.prompts)
+

@@ -1,0 +1,121 @@
+"""The hook implementations of the ``torch`` plugin: every compute slot of the step, and the policy endpoint.
+
+Rollouts are collected by the rollout plane (the local runner): its gateway
+forwards the agents' model calls to :meth:`policy_endpoints`, this plugin's
+OpenAI-compatible server over the actor's current weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from agl_core import HOOK_API_VERSION, hookimpl
+
+from agl_plugin_torch import training
+from agl_plugin_torch.backend import NAME, Backend, create, on_device
+from agl_plugin_torch.settings import TorchConfig
+
+log = logging.getLogger("agl_plugin_torch")
+
+ROW_INPUTS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask"]
+
+
+def backend_of(ctx) -> Backend:
+    """The run's backend, made on first use (``load_checkpoint`` comes before ``on_train_start``)."""
+    if NAME not in ctx.state:
+        estimator = ctx.components.get("estimator", ctx.config.algorithm.estimator)
+        ctx.state[NAME] = create(ctx.plugin_config(NAME), ctx.run_dir, ctx.config.trainer.seed,
+                                 with_critic=estimator.options.get("needs_critic", False))
+    return ctx.state[NAME]
+
+
+class TorchBackend:
+    AGL_HOOK_API = HOOK_API_VERSION
+
+    @hookimpl
+    def plugin_config_schema(self):
+        return TorchConfig
+
+    @hookimpl
+    def on_train_start(self, ctx):
+        backend = backend_of(ctx)
+        backend.start_serving(ctx.config.rollout.model)
+        n_params = sum(p.numel() for p in backend.actor.parameters())
+        log.info("policy %s (%.2fM parameters, %s) served at %s", backend.source, n_params / 1e6,
+                 backend.actor.dtype, backend.url)
+
+    @hookimpl
+    def on_train_end(self, ctx):
+        backend = ctx.state.get(NAME)
+        if backend is not None:
+            backend.stop_serving()
+
+    @hookimpl
+    def policy_endpoints(self, ctx):
+        return [backend_of(ctx).url]
+
+    @hookimpl
+    def compute_old_logprob(self, ctx, batch):
+        backend = backend_of(ctx)
+        with backend.lock:
+            log_probs, entropy = backend.logprobs(backend.actor, batch, with_entropy=True)
+        batch["old_log_probs"], batch["entropys"] = log_probs, entropy
+        if "rollout_log_probs" in batch:
+            ctx.step_metrics.update(rollout_logprob_diff(log_probs, batch["rollout_log_probs"],
+                                                         batch["response_mask"]))
+        return batch
+
+    @hookimpl
+    def compute_ref_logprob(self, ctx, batch):
+        backend = backend_of(ctx)
+        batch["ref_log_prob"] = backend.logprobs(backend.reference(), batch, with_entropy=False)[0]
+        return batch
+
+    @hookimpl
+    def compute_values(self, ctx, batch):
+        backend = backend_of(ctx)
+        batch["values"] = backend.values(batch)
+        return batch
+
+    @hookimpl
+    def update_actor(self, ctx, batch):
+        backend, algorithm = backend_of(ctx), ctx.config.algorithm
+        policy_loss = ctx.components.get("policy_loss", algorithm.policy_loss.name).obj
+        keys = ROW_INPUTS + ["old_log_probs", "advantages"] + (["ref_log_prob"] if algorithm.policy_loss.use_kl_loss
+                                                                else [])
+        rows = on_device(batch, keys, backend.actor.device)
+        with backend.lock:
+            metrics = training.update_actor(backend.actor, backend.actor_optim, backend.actor_sched, rows,
+                                            algorithm, policy_loss, backend.config.actor)
+        backend.set_weight_version(ctx.step)  # the endpoint now serves this step's weights
+        return metrics
+
+    @hookimpl
+    def update_critic(self, ctx, batch):
+        backend = backend_of(ctx)
+        rows = on_device(batch, ROW_INPUTS + ["values", "returns"], backend.actor.device)
+        return training.update_critic(backend.critic, backend.critic_optim, backend.critic_sched, rows,
+                                      ctx.config.algorithm, backend.config.critic)
+
+    @hookimpl
+    def save_checkpoint(self, ctx, path):
+        backend = backend_of(ctx)
+        with backend.lock:
+            backend.save(Path(path))
+
+    @hookimpl
+    def load_checkpoint(self, ctx, path):
+        backend_of(ctx).load(Path(path))
+
+
+def rollout_logprob_diff(log_probs, rollout_log_probs, response_mask) -> dict[str, float]:
+    """``training/rollout_logprob_diff/{mean,max}``: |trainer - server| log-prob over the model's tokens."""
+    diff = (log_probs - rollout_log_probs).abs()[response_mask.bool()]
+    if diff.numel() == 0:
+        return {}
+    return {"training/rollout_logprob_diff/mean": diff.mean().item(),
+            "training/rollout_logprob_diff/max": diff.max().item()}
+
+
+plugin = TorchBackend()

@@ -1,0 +1,101 @@
+"""The recipe section ``plugins.torch``: which model, how it is served, how actor and critic learn."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class BuildConfig(_Section):
+    """A small causal LM made from a config, with a word-level tokenizer over ``vocabulary``."""
+
+    architecture: Literal["llama", "qwen2"] = Field(
+        "llama", description="transformers config class; a made qwen2 model's tokenizer must be reloaded with "
+                             "PreTrainedTokenizerFast (AutoTokenizer swaps in Qwen2's)")
+    vocabulary: list[str] = Field(min_length=1, description="the words of the tokenizer (special tokens are added)")
+    hidden_size: int = Field(64, ge=8)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(4, ge=1)
+    intermediate_size: int | None = Field(None, ge=8, description="MLP width (None: 4 * hidden_size)")
+    max_position_embeddings: int = Field(256, ge=8, description="longest prompt + response the model takes")
+    init_std: float = Field(0.02, gt=0, description="standard deviation of the initial weights")
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> BuildConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}")
+        return self
+
+
+class ModelConfig(_Section):
+    """Where the policy comes from: a local Hugging Face directory (``path``) or a config (``build``)."""
+
+    path: str | None = Field(None, description="local directory of a Hugging Face causal LM and its tokenizer")
+    build: BuildConfig | None = Field(None, description="make a randomly initialised model instead")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights dtype; auto: bfloat16 on a GPU that supports it, float32 otherwise")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
+
+    @field_validator("path")
+    @classmethod
+    def _path_exists(cls, path: str | None) -> str | None:
+        # Checked here so that a wrong path is one clear error at start-up, never a hub download attempt.
+        if path is not None and not (Path(path) / "config.json").is_file():
+            what = "does not exist" if not Path(path).exists() else "has no config.json"
+            raise ValueError(f"model directory {path!r} {what}; give a local Hugging Face model directory")
+        return path
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if (self.path is None) == (self.build is None):
+            raise ValueError("set exactly one of model.path (a local model directory) and model.build "
+                             "(a small model made from a config)")
+        return self
+
+
+class OptimConfig(_Section):
+    """AdamW with linear warm-up, then a constant learning rate."""
+
+    lr: float = Field(1e-6, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(0.01, ge=0)
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up from 0 to lr")
+    grad_clip: float = Field(1.0, gt=0, description="max global gradient norm")
+    micro_batch_size: int | None = Field(None, ge=1, description="rows per forward/backward (None: the whole "
+                                                                 "mini-batch); gradients are accumulated")
+
+
+class CriticConfig(OptimConfig):
+    """The critic: the policy's backbone with a scalar head, trained with the clipped value loss."""
+
+    lr: float = Field(1e-5, gt=0)
+    cliprange_value: float = Field(0.5, ge=0, description="how far a value may move from its old estimate")
+
+
+class ServingConfig(_Section):
+    """The OpenAI-compatible endpoint agents (through the gateway) call."""
+
+    host: str = Field("127.0.0.1", description="address to bind")
+    port: int = Field(0, ge=0, le=65535, description="0: a free port chosen by the OS")
+    max_batch_rows: int = Field(256, ge=1, description="most sequences generated together")
+    batch_wait_ms: float = Field(2.0, ge=0, description="after a request arrives, wait this long for others "
+                                                        "to join its batch (each new one restarts the wait)")
+    default_max_tokens: int = Field(256, ge=1, description="response limit of a request that sets none")
+
+
+class TorchConfig(_Section):
+    """The section ``plugins.torch``."""
+
+    model: ModelConfig
+    actor: OptimConfig = Field(default_factory=OptimConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    serving: ServingConfig = Field(default_factory=ServingConfig)
+    forward_micro_batch_size: int = Field(64, ge=1, description="rows per forward pass of log-prob/value "
+                                                                "computation")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (None: torch's default)")
