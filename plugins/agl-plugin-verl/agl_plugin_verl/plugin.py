@@ -1,0 +1,251 @@
+"""The hook implementations of the ``verl`` plugin: verl's worker groups fill the compute slots of the loop.
+
+Start-up (``on_train_start``) checks the verl version, builds verl's config
+(``config.py``), installs agl_core's components into verl's registries,
+starts the worker groups (``workers.py``) and the rollout servers
+(``rollout.py``), restores a checkpoint, and sets ``ctx.world_size`` to the
+actor's data-parallel size. Each compute slot is one call of ``calls.py``.
+The run's objects live in ``ctx.state["verl"]``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agl_core import HOOK_API_VERSION, hookimpl
+from agl_core.config import ConfigError
+from agl_core.plugins import PluginError
+
+from agl_plugin_verl import calls
+from agl_plugin_verl.compat import is_verl_0_7, verl_version
+from agl_plugin_verl.config import VerlSection, build_verl_config
+
+AGL_HOOK_API = HOOK_API_VERSION
+NAME = "verl"
+CHECKPOINT_DIR = "verl"
+"""Sub-directory of an agl_core checkpoint where verl's checkpoint managers write (``actor/``, ``critic/``)."""
+
+log = logging.getLogger("agl_plugin_verl")
+
+
+@dataclass
+class VerlRun:
+    """What the plugin holds during a run."""
+
+    config: Any                 # verl's resolved DictConfig
+    version: Any                # the installed verl's packaging Version
+    groups: Any                 # workers.WorkerGroups
+    servers: Any | None         # rollout.RolloutServers; None on CPU workers (no rollout engine)
+    started_ray: bool
+    weights_version: int = 0    # actor updates so far: rollout servers resync when it moves
+
+
+@dataclass
+class VerlState:
+    """``ctx.state["verl"]``: a checkpoint to restore (``load_checkpoint`` runs before the workers exist) and the run."""
+
+    resume_from: Path | None = None
+    run: VerlRun | None = None
+
+
+def state_of(ctx) -> VerlState:
+    return ctx.state.setdefault(NAME, VerlState())
+
+
+def run_of(ctx) -> VerlRun:
+    run = state_of(ctx).run
+    if run is None:
+        raise PluginError("the verl workers are not started: on_train_start of plugin 'verl' did not run")
+    return run
+
+
+def _owns(ctx, hook: str) -> bool:
+    return ctx.slots.get(hook, (None, None))[0] == NAME
+
+
+def _check_batch_sizes(recipe, cfg) -> int:
+    """The data-parallel size; a PPO mini-batch that does not split evenly over it is a start-up error."""
+    world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    if recipe.algorithm.ppo_mini_batch_size % world:
+        raise ConfigError(
+            f"algorithm.ppo_mini_batch_size={recipe.algorithm.ppo_mini_batch_size} rows do not split over the "
+            f"{world} verl worker processes (plugins.verl trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node} "
+            f"x trainer.nnodes={cfg.trainer.nnodes}); make it a multiple of {world}")
+    return world
+
+
+def _start_ray(cfg) -> bool:
+    """Start a local Ray as verl's ``run_ppo`` does, unless one is running; True when this call started it."""
+    import ray
+    from omegaconf import OmegaConf
+
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    if ray.is_initialized():
+        return False
+    kwargs = OmegaConf.to_container(cfg.ray_kwargs.get("ray_init", {}), resolve=True) or {}
+    kwargs["runtime_env"] = OmegaConf.to_container(
+        OmegaConf.merge(get_ppo_ray_runtime_env(cfg), kwargs.get("runtime_env") or {}), resolve=True)
+    ray.init(**kwargs)
+    return True
+
+
+# ----------------------------------------------------------------------------- set-up
+
+
+@hookimpl
+def plugin_config_schema():
+    return VerlSection
+
+
+@hookimpl
+def register_estimators(register):
+    verl_version()  # refuse an unsupported verl before importing it
+    from agl_plugin_verl.bridge import verl_estimators
+
+    for name, fn in verl_estimators().items():
+        register(name, fn)
+
+
+@hookimpl
+def register_policy_losses(register):
+    verl_version()
+    from agl_plugin_verl.bridge import verl_policy_losses
+
+    for name, fn in verl_policy_losses().items():
+        register(name, fn)
+
+
+@hookimpl
+def on_train_start(ctx):
+    from agl_plugin_verl import rollout, workers
+    from agl_plugin_verl.bridge import Registrations, install
+
+    version = verl_version()
+    cfg = build_verl_config(ctx.config, ctx.plugin_config(NAME))
+    world = _check_batch_sizes(ctx.config, cfg)
+    registrations = Registrations.from_components(ctx.components)
+    install(registrations)  # the driver's registry too: verl code run here looks names up
+    started_ray = _start_ray(cfg)
+    groups = workers.build(cfg, needs_ref=_owns(ctx, "compute_ref_logprob"),
+                           needs_critic=_owns(ctx, "compute_values") or _owns(ctx, "update_critic"),
+                           registrations=registrations, verl_0_7=is_verl_0_7(version))
+    state = state_of(ctx)
+    state.run = VerlRun(cfg, version, groups, None, started_ray)
+    if state.resume_from is not None:
+        _load(state.run, state.resume_from)
+    if cfg.trainer.device != workers.CPU:
+        state.run.servers = rollout.start(cfg, groups.actor, groups.pool, version)
+    ctx.world_size = groups.dp_size
+    if groups.dp_size != world:
+        log.warning("verl reports data-parallel size %d on %d processes", groups.dp_size, world)
+
+
+@hookimpl
+def on_train_end(ctx):
+    import ray
+
+    state = state_of(ctx)
+    run, state.run = state.run, None
+    if run is None:
+        return
+    run.groups.shutdown()
+    if run.started_ray:
+        ray.shutdown()
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+@hookimpl
+def policy_endpoints(ctx):
+    run = run_of(ctx)
+    if run.servers is None:
+        raise PluginError("plugin 'verl' with trainer.device=cpu runs verl's workers without a rollout engine, "
+                          "so it serves no policy endpoint; collect rollouts with another plugin "
+                          "(plugins.slots.policy_endpoints) or run on a GPU")
+    return run.servers.endpoints(run.weights_version)
+
+
+def _sleep_servers(run: VerlRun) -> None:
+    # Training needs the GPU memory the rollout servers hold; they wake again in policy_endpoints.
+    if run.servers is not None:
+        run.servers.sleep()
+
+
+@hookimpl
+def compute_old_logprob(ctx, batch):
+    run = run_of(ctx)
+    _sleep_servers(run)
+    temperature = run.config.actor_rollout_ref.rollout.temperature
+    batch["old_log_probs"], batch["entropys"], metrics = calls.compute_log_prob(run.groups.actor, batch, temperature)
+    ctx.step_metrics.update(metrics)
+    return batch
+
+
+@hookimpl
+def compute_ref_logprob(ctx, batch):
+    run = run_of(ctx)
+    batch["ref_log_prob"] = calls.compute_ref_log_prob(
+        run.groups.ref, batch, run.config.actor_rollout_ref.rollout.temperature, run.groups.layout.ref_in_actor)
+    return batch
+
+
+@hookimpl
+def compute_values(ctx, batch):
+    batch["values"] = calls.compute_values(run_of(ctx).groups.critic, batch)
+    return batch
+
+
+@hookimpl
+def update_critic(ctx, batch):
+    run = run_of(ctx)
+    return calls.update_critic(run.groups.critic, batch, run.config, ctx.config.algorithm.ppo_mini_batch_size)
+
+
+@hookimpl
+def update_actor(ctx, batch):
+    run = run_of(ctx)
+    _sleep_servers(run)
+    metrics = calls.update_actor(run.groups.actor, batch, run.config, ctx.config.algorithm.ppo_mini_batch_size)
+    run.weights_version += 1
+    return metrics
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _role_dirs(path: Path) -> tuple[str, str]:
+    root = Path(path) / CHECKPOINT_DIR
+    return str(root / "actor"), str(root / "critic")
+
+
+@hookimpl
+def save_checkpoint(ctx, path):
+    """verl's checkpoint managers write the actor (and critic) under ``<path>/verl/``; agl_core keeps the rest."""
+    run = run_of(ctx)
+    actor_dir, critic_dir = _role_dirs(path)
+    # agl_core decides which checkpoints to keep: verl's own retention is off (max_ckpt_to_keep=None).
+    run.groups.actor.save_checkpoint(actor_dir, None, ctx.step, None)
+    if run.groups.critic is not None:
+        run.groups.critic.save_checkpoint(critic_dir, None, ctx.step, None)
+
+
+def _load(run: VerlRun, path: Path) -> None:
+    actor_dir, critic_dir = _role_dirs(path)
+    run.groups.actor.load_checkpoint(actor_dir, None, False)
+    if run.groups.critic is not None:
+        run.groups.critic.load_checkpoint(critic_dir, None, False)
+    log.info("verl workers restored from %s", path)
+
+
+@hookimpl
+def load_checkpoint(ctx, path):
+    """Restore the workers from ``<path>/verl/``; before ``on_train_start`` (the usual case) it is done there."""
+    state = state_of(ctx)
+    state.resume_from = Path(path)
+    if state.run is not None:
+        _load(state.run, state.resume_from)
