@@ -12,8 +12,9 @@ the other:
   driver, and each Ray worker in its ``__init__`` (see ``workers.py``).
 - verl → agl_core: :func:`verl_estimators` / :func:`verl_policy_losses` are
   what the plugin's ``register_*`` hooks register, for every verl name the
-  built-in plugins do not provide. A verl estimator is run through verl's own
-  ``compute_advantage``, so it gets exactly the inputs verl's trainer gives it.
+  built-in plugins do not provide (except :data:`NEEDS_VERL_SETTINGS`). A verl
+  estimator is run through verl's own ``compute_advantage``, so it gets
+  exactly the inputs verl's trainer gives it.
 
 Names both sides have (gae, grpo, rloo, vanilla, ...) keep each side's own
 implementation; they compute the same numbers (``tests/test_verl_bridge.py``).
@@ -235,9 +236,18 @@ def _builtin_names(hook: str) -> set[str]:
     return names
 
 
+NEEDS_VERL_SETTINGS = {
+    "gdpo": "algorithm.gdpo_reward_keys and per-component reward columns, which agl_core batches do not carry",
+    "dro": "actor.policy_loss.dro_beta, which agl_core's algorithm.policy_loss has no key for",
+}
+"""verl components that cannot run on agl_core's inputs alone, with what they need; not offered to agl_core
+(inside verl's workers they remain usable by name, configured through ``plugins.verl``)."""
+
+
 def _verl_own(registry: dict[str, Callable], taken: set[str]) -> list[str]:
-    """verl's names in ``registry`` minus ``taken``; entries :func:`install` put there are agl_core's, not verl's."""
-    return sorted(name for name, fn in registry.items() if name not in taken and getattr(fn, BRIDGED, None) != "agl")
+    """verl's names in ``registry`` that agl_core can use, minus ``taken``; :func:`install`'s entries are agl_core's."""
+    return sorted(name for name, fn in registry.items()
+                  if name not in taken and name not in NEEDS_VERL_SETTINGS and getattr(fn, BRIDGED, None) != "agl")
 
 
 def verl_estimators() -> dict[str, Callable]:

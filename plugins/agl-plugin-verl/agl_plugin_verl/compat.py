@@ -1,7 +1,7 @@
 """Which verl versions this plugin drives, and the one check that refuses the others.
 
 verl changes its worker API between minor versions. Every place this plugin
-touches verl was read against the versions in :data:`SUPPORTED_VERL`; the
+touches verl was read against the versions in :data:`SUPPORTED`; the
 differences among them are handled where they occur (``rollout.py`` for the
 rollout servers, ``config.py`` for the engine-worker switch of 0.7). A verl
 outside the range is refused at start-up with both versions named, instead of
@@ -15,12 +15,13 @@ import importlib.metadata
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-SUPPORTED_VERL = SpecifierSet(">=0.7,<0.10")
+SUPPORTED = ">=0.7,<0.10"
 """verl releases whose engine workers, registries and rollout servers this plugin was written against."""
+SUPPORTED_VERL = SpecifierSet(SUPPORTED)
 
 
 class UnsupportedVerlError(RuntimeError):
-    """The installed verl is missing or outside :data:`SUPPORTED_VERL`."""
+    """The installed verl is missing or outside :data:`SUPPORTED`."""
 
 
 def installed_verl_version() -> str | None:
@@ -40,14 +41,14 @@ def verl_version() -> Version:
     installed = installed_verl_version()
     if installed is None:
         raise UnsupportedVerlError(
-            f"agl-plugin-verl needs verl {SUPPORTED_VERL}, and verl is not installed: "
-            f"pip install 'verl{SUPPORTED_VERL}'")
+            f"agl-plugin-verl needs verl {SUPPORTED}, and verl is not installed: "
+            f"pip install 'verl{SUPPORTED}'")
     version = Version(installed)
     # Pre-releases of a supported minor version (0.9.0rc1) are accepted: they carry its API.
     if not SUPPORTED_VERL.contains(version, prereleases=True):
         raise UnsupportedVerlError(
-            f"agl-plugin-verl supports verl {SUPPORTED_VERL}; verl {installed} is installed. "
-            f"Install a supported release (pip install 'verl{SUPPORTED_VERL}') or an agl-plugin-verl "
+            f"agl-plugin-verl supports verl {SUPPORTED}; verl {installed} is installed. "
+            f"Install a supported release (pip install 'verl{SUPPORTED}') or an agl-plugin-verl "
             "release written for this verl.")
     return version
 

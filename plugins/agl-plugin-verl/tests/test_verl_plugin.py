@@ -1,0 +1,93 @@
+"""The plugin's contract and its small pieces: loading, worker layouts, batch-size check, rollout-server cycle."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+
+from agl_core.config import ConfigError, read_recipe, validate_recipe
+from agl_core.plugins import PluginError
+from agl_core.testing import check_plugin
+
+from agl_plugin_verl import plugin
+from agl_plugin_verl.config import build_verl_config
+from agl_plugin_verl.rollout import RolloutServers
+from agl_plugin_verl.workers import Layout, layout
+
+
+def test_entry_point_and_contract():
+    (entry,) = [ep for ep in importlib.metadata.entry_points(group="agl_core.plugins") if ep.name == "verl"]
+    assert entry.dist.name == "agl-plugin-verl"
+    loaded = check_plugin(entry.load(), "verl")
+    assert {"compute_old_logprob", "compute_ref_logprob", "compute_values", "update_actor", "update_critic",
+            "policy_endpoints", "save_checkpoint", "load_checkpoint", "register_estimators",
+            "register_policy_losses", "plugin_config_schema"} <= set(loaded.hooks)
+
+
+def verl_config(*overrides, **section):
+    return build_verl_config(validate_recipe(read_recipe(None, list(overrides))), section)
+
+
+@pytest.mark.parametrize("device, lora, needs_ref, expected", [
+    ("cuda", 0, False, Layout("actor_rollout", None, False, False)),
+    ("cuda", 0, True, Layout("actor_rollout_ref", None, False, False)),
+    ("cuda", 8, True, Layout("actor_rollout", None, True, False)),      # reference = actor without its adapter
+    ("cpu", 0, True, Layout("actor", "ref", False, False)),             # CPU workers have no rollout engine
+    ("cpu", 8, True, Layout("actor", None, True, False)),
+])
+def test_worker_layout_follows_verls_trainer(device, lora, needs_ref, expected):
+    cfg = verl_config(**{"trainer.device": device, "actor_rollout_ref.model.lora_rank": lora})
+    assert layout(cfg, needs_ref=needs_ref, needs_critic=False) == expected
+
+
+def test_mini_batch_must_split_over_the_workers():
+    recipe = validate_recipe(read_recipe(None, ["algorithm.ppo_mini_batch_size=6"]))
+    cfg = build_verl_config(recipe, {"trainer.n_gpus_per_node": 4})
+    with pytest.raises(ConfigError, match=r"ppo_mini_batch_size=6 rows do not split over the 4 verl worker"):
+        plugin._check_batch_sizes(recipe, cfg)
+    assert plugin._check_batch_sizes(recipe, build_verl_config(recipe, {"trainer.n_gpus_per_node": 2})) == 2
+
+
+class FakeServers:
+    def __init__(self):
+        self.calls = []
+
+    def servers(self) -> RolloutServers:
+        return RolloutServers(["10.0.0.1:8000", "[::1]:8001"], lambda v: self.calls.append(f"wake {v}"),
+                              lambda: self.calls.append("sleep"))
+
+
+def test_rollout_servers_wake_with_current_weights_and_sleep_for_training():
+    fake = FakeServers()
+    servers = fake.servers()
+    assert servers.endpoints(0) == ["http://10.0.0.1:8000/v1", "http://[::1]:8001/v1"]
+    servers.endpoints(0)          # already awake with these weights: nothing to do
+    servers.sleep()
+    servers.sleep()               # already asleep
+    servers.endpoints(1)          # the actor changed: wake with its new weights
+    servers.endpoints(2)          # awake but stale: verl loads weights into sleeping servers only
+    assert fake.calls == ["wake 0", "sleep", "wake 1", "sleep", "wake 2"]
+
+
+class Ctx:
+    def __init__(self):
+        self.state = {}
+
+
+def test_cpu_workers_serve_no_policy_endpoint():
+    ctx = Ctx()
+    plugin.state_of(ctx).run = plugin.VerlRun(config=None, version=None, groups=None, servers=None, started_ray=False)
+    with pytest.raises(PluginError, match="trainer.device=cpu runs verl's workers without a rollout engine"):
+        plugin.policy_endpoints(ctx)
+
+
+def test_slots_before_start_say_so():
+    with pytest.raises(PluginError, match="on_train_start of plugin 'verl' did not run"):
+        plugin.compute_values(Ctx(), batch=None)
+
+
+def test_checkpoint_loaded_before_start_is_kept_for_it(tmp_path):
+    ctx = Ctx()
+    plugin.load_checkpoint(ctx, str(tmp_path))
+    assert plugin.state_of(ctx).resume_from == tmp_path
