@@ -154,19 +154,22 @@ def translate(recipe: Recipe) -> dict[str, tuple[Any, str]]:
     return out
 
 
-def flatten(section: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+def flatten(section: Mapping[str, Any], prefix: str = "", add: bool = False) -> Iterator[tuple[str, Any]]:
     """``(dotted_key, value)`` for every leaf of a nested mapping whose keys may themselves be dotted.
 
-    Lists and scalars are leaves; an empty mapping is a leaf (it sets the key to ``{}``).
+    Lists and scalars are leaves; an empty mapping is a leaf (it sets the key
+    to ``{}``). A ``+`` on any part of a path (``+override_config:`` inside
+    ``model:``) marks the whole leaf key as added: ``+actor_rollout_ref.model...``.
     """
     for key, value in section.items():
         if not isinstance(key, str):
             raise ConfigError(f"plugins.verl: keys are verl config paths (strings), got {key!r}")
-        path = f"{prefix}{key}"
+        adds = add or key.startswith("+")
+        path = f"{prefix}{key.lstrip('+')}"
         if isinstance(value, Mapping) and value:
-            yield from flatten(value, path + ".")
+            yield from flatten(value, path + ".", adds)
         else:
-            yield path, value
+            yield ("+" if adds else "") + path, value
 
 
 def _overlaps(a: str, b: str) -> bool:
@@ -235,17 +238,22 @@ def verl_defaults() -> DictConfig:
     return _composed_defaults().copy()
 
 
+def _has_key(cfg: DictConfig, key: str) -> bool:
+    """Whether verl's config defines ``key``, set or not (``???`` values count: verl leaves some for the user)."""
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    return isinstance(node, DictConfig) and leaf in node.keys()
+
+
 def _set(cfg: DictConfig, key: str, value: Any, source: str) -> None:
     add = key.startswith("+")
     key = key.lstrip("+")
-    if not add and OmegaConf.select(cfg, key, default=_MISSING) is _MISSING:
+    if not add and not _has_key(cfg, key):
         raise ConfigError(f"{source}: verl {verl_version()} has no config key {key!r} "
                           f"(write +{key} to add a key verl does not define)")
     with open_dict(cfg):
         OmegaConf.update(cfg, key, value, merge=False, force_add=add)
 
-
-_MISSING = object()
 
 
 def build_verl_config(recipe: Recipe, section: VerlSection | Mapping[str, Any] | None) -> DictConfig:

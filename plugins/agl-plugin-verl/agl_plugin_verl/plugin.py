@@ -139,6 +139,11 @@ def on_train_start(ctx):
         _load(state.run, state.resume_from)
     if cfg.trainer.device != workers.CPU:
         state.run.servers = rollout.start(cfg, groups.actor, groups.pool, version)
+        served = cfg.actor_rollout_ref.model.path
+        if ctx.config.rollout.model != served:
+            # vLLM answers only to the name it serves the model under: its path.
+            log.warning("rollout.model is %r but verl's rollout servers serve the model as %r; agents' calls "
+                        "will be refused: set rollout.model: %s", ctx.config.rollout.model, served, served)
     ctx.world_size = groups.dp_size
     if groups.dp_size != world:
         log.warning("verl reports data-parallel size %d on %d processes", groups.dp_size, world)

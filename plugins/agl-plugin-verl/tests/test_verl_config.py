@@ -110,6 +110,9 @@ def test_unknown_verl_key_is_refused_unless_added_with_plus():
         build_verl_config(recipe(), {"actor_rollout_ref.actor.no_such_key": 1})
     cfg = build_verl_config(recipe(), {"+actor_rollout_ref.model.override_config.attn_implementation": "sdpa"})
     assert cfg.actor_rollout_ref.model.override_config.attn_implementation == "sdpa"
+    nested = build_verl_config(recipe(), {"actor_rollout_ref": {"model": {"+override_config": {"attn_implementation":
+                                                                                              "sdpa"}}}})
+    assert nested.actor_rollout_ref.model.override_config.attn_implementation == "sdpa"
 
 
 def test_interpolations_are_resolved_after_translation():

@@ -23,30 +23,25 @@ from agl_core.algorithms.losses import ppo_clip_loss
 from agl_core.data import Batch, Rollout, Triplet
 
 WORDS = [f"w{i}" for i in range(12)]
-SPECIAL = ["<pad>", "<unk>", "<eos>"]
-TOKENS = list(range(len(SPECIAL), len(SPECIAL) + 6))  # what the bandit responses are made of
-TARGET = TOKENS[2]
 
 
 def make_tiny_model(directory: Path) -> Path:
-    """A 2-layer Llama (hidden 32) with a word-level tokenizer, saved for ``from_pretrained``; returns the directory."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+    """A 2-layer Llama (hidden 32) with a word tokenizer, made by agl-plugin-torch and saved for ``from_pretrained``."""
+    from agl_plugin_torch.modeling import create
+    from agl_plugin_torch.settings import ModelConfig
 
-    vocab = {token: i for i, token in enumerate([*SPECIAL, *WORDS])}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", unk_token="<unk>",
-                                        eos_token="<eos>")
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
-                         tie_word_embeddings=True, pad_token_id=0, eos_token_id=2, bos_token_id=None)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    build = {"architecture": "llama", "vocabulary": WORDS, "hidden_size": 32, "num_layers": 2, "num_heads": 2}
+    return create(ModelConfig(build=build, device="cpu"), directory, seed=0)
+
+
+def _token_ids() -> list[int]:
+    from agl_plugin_torch.modeling import SPECIAL_TOKENS
+
+    return list(range(len(SPECIAL_TOKENS), len(SPECIAL_TOKENS) + 6))
+
+
+TOKENS = _token_ids()  # the words the bandit responses are made of
+TARGET = TOKENS[2]
 
 
 def cpu_overrides(model_dir: Path, workers: int = 2) -> list[str]:

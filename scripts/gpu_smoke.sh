@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Three training steps of examples/calc_verl on one GPU through agl-plugin-verl (verl's FSDP workers and
+# vLLM rollout servers), then the per-stage timings of each step.
+#
+# STATUS: written and reviewed, NOT RUN by its authors: the machines this project is developed on have no
+# GPU (the CPU half of the path, verl's real worker groups on a CPU engine, runs in the test suite).
+#
+# What it needs (a fresh environment on a Linux machine with one NVIDIA GPU of >= 40 GB, a driver for
+# CUDA 12.8 or newer, Python 3.11 or 3.12, and the Hugging Face Hub reachable unless MODEL is a local path):
+#
+#   python -m venv .venv-gpu && . .venv-gpu/bin/activate
+#   pip install 'verl[vllm]==0.9.1'      # verl's GPU stack: torch 2.11.0 (CUDA), vLLM 0.24.0, transformers 5.9.0, Ray
+#   pip install -e . -e plugins/agl-plugin-traces -e plugins/agl-plugin-verl
+#
+# Do not install with -c constraints.txt here: it pins the CPU build of torch. flash-attn is not needed: the
+# recipe uses PyTorch's attention (sdpa) for training; vLLM brings its own kernels.
+#
+# Usage:  scripts/gpu_smoke.sh                       # Qwen/Qwen2.5-0.5B-Instruct from the Hub
+#         MODEL=/models/qwen2.5-0.5b-instruct scripts/gpu_smoke.sh
+# Extra arguments are recipe overrides, e.g.  scripts/gpu_smoke.sh rollout.n=8
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+MODEL=${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}
+RUN_DIR=${RUN_DIR:-runs/gpu_smoke}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python - <<'PY'
+import importlib.metadata as md
+import torch
+assert torch.cuda.is_available(), "torch does not see a CUDA GPU (a CPU build of torch is installed?)"
+for dist in ("torch", "verl", "vllm", "ray", "transformers", "agl-core", "agl-plugin-verl", "agl-plugin-traces"):
+    print(f"{dist:18} {md.version(dist)}")
+from agl_plugin_verl.compat import verl_version
+verl_version()  # refuses an unsupported verl before anything starts
+PY
+
+rm -rf "$RUN_DIR"
+# 8 problems x 4 episodes = 32 trajectory rows a step, two PPO mini-batches; a checkpoint at step 3
+# exercises verl's checkpoint manager; no validation (it would time a second rollout).
+agl train examples/calc_verl/recipe.yaml \
+    trainer.run_dir="$RUN_DIR" trainer.total_steps=3 trainer.save_freq=3 trainer.test_freq=0 \
+    trainer.val_before_train=false trainer.resume=never \
+    data.train_batch_size=8 rollout.n=4 algorithm.ppo_mini_batch_size=16 rollout.n_workers=32 \
+    plugins.verl.actor_rollout_ref.model.path="$MODEL" "$@"
+
+python - "$RUN_DIR/metrics.jsonl" <<'PY'
+import json, sys
+stages = ["gen", "gen_postprocess", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "step"]
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+rows = [row for row in rows if row["step"] > 0]
+print("\nper-stage seconds (timing_s/*), rewards and throughput, by step")
+print(f"{'step':>4} " + " ".join(f"{s:>15}" for s in stages) + f" {'reward':>7} {'tokens/s/gpu':>12}")
+for row in rows:
+    cells = " ".join(f"{row.get(f'timing_s/{s}', float('nan')):>15.2f}" for s in stages)
+    reward = row.get("critic/score/mean_before_processing", float("nan"))  # mean episode reward of the step
+    print(f"{row['step']:>4} {cells} {reward:>7.3f} {row.get('perf/throughput', float('nan')):>12.1f}")
+assert len(rows) == 3, f"expected 3 logged steps, found {len(rows)}"
+PY
+ls "$RUN_DIR"/checkpoints/global_step_3/verl/actor
