@@ -70,7 +70,12 @@ class CpuEngine(BaseEngine):
         return self.model_config.model_type == "value_model"
 
     def initialize(self) -> None:
-        """Load the model from ``model_config.local_path``; build verl's optimizer and LR schedule unless forward-only."""
+        """Load the model from ``model_config.local_path``; unless forward-only, verl's optimizer and a constant LR.
+
+        The LR is verl's constant schedule with ``lr_warmup_steps`` of warm-up
+        (``lr_scheduler_type`` is not read: nothing trained on a CPU runs long
+        enough for a cosine schedule to matter).
+        """
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
         from verl.utils.torch_functional import get_constant_schedule_with_warmup

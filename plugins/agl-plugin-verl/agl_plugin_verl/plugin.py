@@ -10,6 +10,7 @@ The run's objects live in ``ctx.state["verl"]``.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,8 +88,11 @@ def _start_ray(cfg) -> bool:
     if ray.is_initialized():
         return False
     kwargs = OmegaConf.to_container(cfg.ray_kwargs.get("ray_init", {}), resolve=True) or {}
-    kwargs["runtime_env"] = OmegaConf.to_container(
-        OmegaConf.merge(get_ppo_ray_runtime_env(cfg), kwargs.get("runtime_env") or {}), resolve=True)
+    # verl 0.9 reads the config (Megatron and profiler environment variables); 0.7 and 0.8 take no argument.
+    env = get_ppo_ray_runtime_env(cfg) if inspect.signature(get_ppo_ray_runtime_env).parameters \
+        else get_ppo_ray_runtime_env()
+    kwargs["runtime_env"] = OmegaConf.to_container(OmegaConf.merge(env, kwargs.get("runtime_env") or {}),
+                                                   resolve=True)
     ray.init(**kwargs)
     return True
 
@@ -121,10 +125,10 @@ def register_policy_losses(register):
 
 @hookimpl
 def on_train_start(ctx):
+    version = verl_version()  # before importing anything of verl
     from agl_plugin_verl import rollout, workers
     from agl_plugin_verl.bridge import Registrations, install
 
-    version = verl_version()
     cfg = build_verl_config(ctx.config, ctx.plugin_config(NAME))
     world = _check_batch_sizes(ctx.config, cfg)
     registrations = Registrations.from_components(ctx.components)

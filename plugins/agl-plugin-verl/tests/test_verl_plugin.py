@@ -91,3 +91,18 @@ def test_checkpoint_loaded_before_start_is_kept_for_it(tmp_path):
     ctx = Ctx()
     plugin.load_checkpoint(ctx, str(tmp_path))
     assert plugin.state_of(ctx).resume_from == tmp_path
+
+
+def test_ray_is_started_as_verl_starts_it_unless_running(monkeypatch):
+    import ray
+
+    calls = []
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)  # verl leaves out variables the shell sets
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    assert plugin._start_ray(verl_config(**{"ray_kwargs.ray_init.num_cpus": 3}))
+    (kwargs,) = calls
+    assert kwargs["num_cpus"] == 3
+    assert kwargs["runtime_env"]["env_vars"]["TOKENIZERS_PARALLELISM"] == "true"  # verl's worker environment
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    assert not plugin._start_ray(verl_config())
