@@ -39,17 +39,18 @@ class VerlRun:
     config: Any                 # verl's resolved DictConfig
     version: Any                # the installed verl's packaging Version
     groups: Any                 # workers.WorkerGroups
-    servers: Any | None         # rollout.RolloutServers; None on CPU workers (no rollout engine)
-    started_ray: bool
+    servers: Any | None = None  # rollout.RolloutServers; None on CPU workers (no rollout engine)
     weights_version: int = 0    # actor updates so far: rollout servers resync when it moves
 
 
 @dataclass
 class VerlState:
-    """``ctx.state["verl"]``: a checkpoint to restore (``load_checkpoint`` runs before the workers exist) and the run."""
+    """``ctx.state["verl"]``: a checkpoint to restore (``load_checkpoint`` runs before the workers exist), the run,
+    and whether this plugin started Ray (then it stops it, also when start-up failed half-way)."""
 
     resume_from: Path | None = None
     run: VerlRun | None = None
+    started_ray: bool = False
 
 
 def state_of(ctx) -> VerlState:
@@ -133,12 +134,12 @@ def on_train_start(ctx):
     world = _check_batch_sizes(ctx.config, cfg)
     registrations = Registrations.from_components(ctx.components)
     install(registrations)  # the driver's registry too: verl code run here looks names up
-    started_ray = _start_ray(cfg)
+    state = state_of(ctx)
+    state.started_ray = _start_ray(cfg)
     groups = workers.build(cfg, needs_ref=_owns(ctx, "compute_ref_logprob"),
                            needs_critic=_owns(ctx, "compute_values") or _owns(ctx, "update_critic"),
                            registrations=registrations, verl_0_7=is_verl_0_7(version))
-    state = state_of(ctx)
-    state.run = VerlRun(cfg, version, groups, None, started_ray)
+    state.run = VerlRun(cfg, version, groups)
     if state.resume_from is not None:
         _load(state.run, state.resume_from)
     if cfg.trainer.device != workers.CPU:
@@ -159,10 +160,10 @@ def on_train_end(ctx):
 
     state = state_of(ctx)
     run, state.run = state.run, None
-    if run is None:
-        return
-    run.groups.shutdown()
-    if run.started_ray:
+    if run is not None:
+        run.groups.shutdown()
+    if state.started_ray:
+        state.started_ray = False
         ray.shutdown()
 
 

@@ -77,7 +77,7 @@ class Ctx:
 
 def test_cpu_workers_serve_no_policy_endpoint():
     ctx = Ctx()
-    plugin.state_of(ctx).run = plugin.VerlRun(config=None, version=None, groups=None, servers=None, started_ray=False)
+    plugin.state_of(ctx).run = plugin.VerlRun(config=None, version=None, groups=None)
     with pytest.raises(PluginError, match="trainer.device=cpu runs verl's workers without a rollout engine"):
         plugin.policy_endpoints(ctx)
 
@@ -106,3 +106,15 @@ def test_ray_is_started_as_verl_starts_it_unless_running(monkeypatch):
     assert kwargs["runtime_env"]["env_vars"]["TOKENIZERS_PARALLELISM"] == "true"  # verl's worker environment
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     assert not plugin._start_ray(verl_config())
+
+
+def test_ray_this_plugin_started_is_stopped_even_after_a_failed_start(monkeypatch):
+    import ray
+
+    stopped = []
+    monkeypatch.setattr(ray, "shutdown", lambda: stopped.append(True))
+    ctx = Ctx()
+    plugin.state_of(ctx).started_ray = True  # the worker groups never came up
+    plugin.on_train_end(ctx)
+    plugin.on_train_end(ctx)
+    assert stopped == [True]
