@@ -234,7 +234,7 @@ def _composed_defaults() -> DictConfig:
 
 
 def verl_defaults() -> DictConfig:
-    """A fresh copy of verl's ``ppo_trainer`` defaults (composed once per process, ~2 s)."""
+    """A fresh copy of verl's ``ppo_trainer`` defaults (composed once per process: ~3 s with verl's import)."""
     return _composed_defaults().copy()
 
 
@@ -253,7 +253,6 @@ def _set(cfg: DictConfig, key: str, value: Any, source: str) -> None:
                           f"(write +{key} to add a key verl does not define)")
     with open_dict(cfg):
         OmegaConf.update(cfg, key, value, merge=False, force_add=add)
-
 
 
 def build_verl_config(recipe: Recipe, section: VerlSection | Mapping[str, Any] | None) -> DictConfig:
