@@ -20,11 +20,14 @@ Every output tensor and column is asserted identical, then one JSON line is
 printed:
 
     {"bench": "aggregation", "aggregator": "trajectory", "rollouts": 4096, "turns": 8, "rows": ...,
-     "tokens": ..., "ours_s": ..., "reference_s": ..., "speedup": ..., "prefix_check_s": ...,
-     "output_bytes": ..., "peak_bytes": ..., "peak_over_output": ...}
+     "tokens": ..., "ours_s": ..., "reference_s": ..., "speedup": ..., "ours_cpu_s": ...,
+     "reference_cpu_s": ..., "speedup_cpu": ..., "prefix_check_s": ..., "output_bytes": ...,
+     "peak_bytes": ..., "peak_over_output": ...}
 
 Times are medians over ``--repeats`` runs after one untimed warm-up (the
-reference: over a third as many), with torch.set_num_threads(2).
+reference: over a third as many), with torch.set_num_threads(2), in wall
+seconds (``*_s``) and in CPU seconds of the process (``*_cpu_s``, which other
+processes on a shared machine do not stretch).
 ``prefix_check_s`` is the time of the token comparisons alone (each prompt
 against the previous prompt + response), which any exact implementation
 makes: a floor for both. ``peak_bytes`` is the peak of memory allocated while
@@ -206,17 +209,23 @@ def prefix_check(rollouts: list[Rollout]) -> None:
             previous = span
 
 
-def median_seconds(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
-    """Median wall time of ``fn`` over ``repeats`` runs after a warm-up; returns the last result."""
+def median_seconds(fn: Callable[[], object], repeats: int) -> tuple[float, float, object]:
+    """Median wall and CPU seconds of ``fn`` over ``repeats`` runs after a warm-up; returns the last result too.
+
+    CPU seconds (this process, all its threads) are reported next to wall
+    seconds because on a shared machine other processes stretch the wall
+    time, not the CPU time.
+    """
     result = fn()
-    times = []
+    wall, cpu = [], []
     for _ in range(repeats):
         del result  # free the previous output before building the next one
         gc.collect()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return statistics.median(wall), statistics.median(cpu), result
 
 
 def assert_identical(a: Batch, b: Batch) -> None:
@@ -247,14 +256,12 @@ def peak_bytes(fn: Callable[[], Batch]) -> int:
     The kernel's high-water mark of the resident set (VmHWM) is reset to the
     current size (``echo 5 > /proc/self/clear_refs``), so its value after the
     call is the peak during the call; this counts every allocation, torch's
-    and NumPy's included. glibc is first told to map every allocation of
-    128 KiB or more on its own and unmap it when freed; otherwise memory freed
-    by earlier runs is reused without growing the resident set and the peak
-    reads too low.
+    and NumPy's included. glibc first returns the free memory it holds to the
+    kernel (``malloc_trim``): memory freed by earlier runs and reused here then
+    counts as it is touched again, instead of hiding in the resident set.
     """
-    M_MMAP_THRESHOLD = -3
-    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 * 1024)
     gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")
     before = _status_bytes("VmRSS")
     result = fn()
@@ -272,10 +279,10 @@ def main() -> None:
     torch.set_num_threads(2)
 
     rollouts = make_rollouts(args.rollouts, args.turns)
-    ours_s, batch = median_seconds(lambda: ours(rollouts), args.repeats)
-    prefix_check_s, _ = median_seconds(lambda: prefix_check(rollouts), args.repeats)
-    reference_s, expected = median_seconds(lambda: reference_trajectory(rollouts, MAX_PROMPT, MAX_RESPONSE),
-                                           max(1, args.repeats // 3))
+    ours_s, ours_cpu_s, batch = median_seconds(lambda: ours(rollouts), args.repeats)
+    prefix_check_s, _, _ = median_seconds(lambda: prefix_check(rollouts), args.repeats)
+    reference_s, reference_cpu_s, expected = median_seconds(
+        lambda: reference_trajectory(rollouts, MAX_PROMPT, MAX_RESPONSE), max(1, args.repeats // 3))
     assert_identical(batch, expected)
     size, rows, tokens = output_bytes(batch), len(batch), int(batch["attention_mask"].sum())
     del batch, expected
@@ -284,7 +291,8 @@ def main() -> None:
         "bench": "aggregation", "aggregator": "trajectory", "rollouts": args.rollouts, "turns": args.turns,
         "rows": rows, "tokens": tokens,
         "ours_s": round(ours_s, 4), "reference_s": round(reference_s, 4), "speedup": round(reference_s / ours_s, 1),
-        "prefix_check_s": round(prefix_check_s, 4),
+        "ours_cpu_s": round(ours_cpu_s, 4), "reference_cpu_s": round(reference_cpu_s, 4),
+        "speedup_cpu": round(reference_cpu_s / ours_cpu_s, 1), "prefix_check_s": round(prefix_check_s, 4),
         "output_bytes": size, "peak_bytes": peak, "peak_over_output": round(peak / size, 2),
     }))
 
