@@ -6,7 +6,8 @@ answers with about 50, and every later prompt is the previous prompt + the
 previous response + about 200 new tokens (the tool's result), so the calls
 of a rollout merge into one row of about 2,000 tokens. One rollout in 16
 breaks the prefix once (its history is re-rendered), so the break path runs
-too. The spans are parsed from JSON, as a store hands them over.
+too. By default the spans are parsed from JSON, as a store hands them over
+(``--source python`` builds them from shared Python lists instead).
 
 Both implementations run the same algorithm on the same spans:
 
@@ -19,7 +20,7 @@ Both implementations run the same algorithm on the same spans:
 Every output tensor and column is asserted identical, then one JSON line is
 printed:
 
-    {"bench": "aggregation", "aggregator": "trajectory", "rollouts": 4096, "turns": 8, "rows": ...,
+    {"bench": "aggregation", "aggregator": "trajectory", "source": "json", "rollouts": 4096, "turns": 8, "rows": ...,
      "tokens": ..., "ours_s": ..., "reference_s": ..., "speedup": ..., "ours_cpu_s": ...,
      "reference_cpu_s": ..., "speedup_cpu": ..., "prefix_check_s": ..., "output_bytes": ...,
      "peak_bytes": ..., "peak_over_output": ...}
@@ -35,7 +36,7 @@ our aggregator builds the batch (a separate run, measured as the kernel's
 high-water mark of the resident set, so every allocation counts), and
 ``output_bytes`` the size of the output tensors. Linux only.
 
-    python benchmarks/bench_aggregation.py [--rollouts 4096] [--turns 8] [--repeats 3]
+    python benchmarks/bench_aggregation.py [--rollouts 4096] [--turns 8] [--repeats 3] [--source json|python]
 """
 
 from __future__ import annotations
@@ -62,8 +63,14 @@ MAX_PROMPT, MAX_RESPONSE = 256, 2048
 # --------------------------------------------------------------------------- workload
 
 
-def make_rollouts(n_rollouts: int, turns: int, seed: int = 0) -> list[Rollout]:
-    """Agent-like rollouts (see the module docstring), spans parsed from JSON."""
+def make_rollouts(n_rollouts: int, turns: int, seed: int = 0, source: str = "json") -> list[Rollout]:
+    """Agent-like rollouts (see the module docstring).
+
+    ``source="json"``: spans parsed from JSON, as a store hands them over (every
+    token id a separate Python int). ``"python"``: spans validated from the
+    Python lists the generator built, where later prompts share the int
+    objects of earlier ones, so list comparisons short-cut on identity.
+    """
     rng = random.Random(seed)
 
     def tokens(mean: int) -> list[int]:
@@ -85,7 +92,8 @@ def make_rollouts(n_rollouts: int, turns: int, seed: int = 0) -> list[Rollout]:
         spans.append({"rollout_id": rollout_id, "sequence_id": 2 * turns, "kind": "reward", "reward": rng.random()})
         rollouts.append(Rollout(rollout_id=rollout_id, task_id=f"task-{r // 8}", status="succeeded",
                                 final_reward=spans[-1]["reward"],
-                                spans=[Span.model_validate_json(json.dumps(s)) for s in spans]))
+                                spans=[Span.model_validate_json(json.dumps(s)) if source == "json"
+                                       else Span.model_validate(s) for s in spans]))
     return rollouts
 
 
@@ -275,10 +283,12 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=4096)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--source", choices=["json", "python"], default="json",
+                        help="spans parsed from JSON (as from a store) or built from shared Python lists")
     args = parser.parse_args()
     torch.set_num_threads(2)
 
-    rollouts = make_rollouts(args.rollouts, args.turns)
+    rollouts = make_rollouts(args.rollouts, args.turns, source=args.source)
     ours_s, ours_cpu_s, batch = median_seconds(lambda: ours(rollouts), args.repeats)
     prefix_check_s, _, _ = median_seconds(lambda: prefix_check(rollouts), args.repeats)
     reference_s, reference_cpu_s, expected = median_seconds(
@@ -288,7 +298,8 @@ def main() -> None:
     del batch, expected
     peak = peak_bytes(lambda: ours(rollouts))
     print(json.dumps({
-        "bench": "aggregation", "aggregator": "trajectory", "rollouts": args.rollouts, "turns": args.turns,
+        "bench": "aggregation", "aggregator": "trajectory", "source": args.source, "rollouts": args.rollouts,
+        "turns": args.turns,
         "rows": rows, "tokens": tokens,
         "ours_s": round(ours_s, 4), "reference_s": round(reference_s, 4), "speedup": round(reference_s / ours_s, 1),
         "ours_cpu_s": round(ours_cpu_s, 4), "reference_cpu_s": round(reference_cpu_s, 4),
