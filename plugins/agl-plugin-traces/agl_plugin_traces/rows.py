@@ -217,7 +217,8 @@ class RowBuilder:
         }
         if self.logprobs_known:
             logprobs = torch.zeros((n, R), dtype=torch.float32)
-            logprobs.numpy()[response_mask.bool().numpy()] = np.array(self.logprobs, dtype=np.float32)
+            logprobs.numpy()[response_mask.bool().numpy()] = np.fromiter(self.logprobs, dtype=np.float32,
+                                                                         count=len(self.logprobs))
             tensors["rollout_log_probs"] = logprobs
         uid = np.array(self.uid, dtype=object)
         return Batch(
