@@ -1,5 +1,7 @@
 """Properties of both aggregators on generated agent traces (hypothesis).
 
+No example database is written (database=None): the tests leave no files behind.
+
 Model tokens are numbered from 10,000 up, each used once; prompt and
 observation tokens are below 10,000. So a token with mask 1 can be traced
 back to the one call that produced it.
@@ -47,7 +49,7 @@ def aggregate(name, r, max_prompt, max_response):
 
 
 @pytest.mark.parametrize("aggregator", ["transition", "trajectory"])
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, database=None)
 @given(r=agent_rollout(), lengths=limits)
 def test_every_trained_token_was_produced_by_the_model_and_is_trained_once(aggregator, r, lengths):
     max_prompt, max_response = lengths
@@ -66,7 +68,7 @@ def test_every_trained_token_was_produced_by_the_model_and_is_trained_once(aggre
 
 
 @pytest.mark.parametrize("aggregator", ["transition", "trajectory"])
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100, deadline=None, database=None)
 @given(r=agent_rollout())
 def test_without_limits_every_row_is_exactly_a_call_as_the_engine_saw_it(aggregator, r):
     calls = rollout_calls(r, TraceCounts())
@@ -77,7 +79,7 @@ def test_without_limits_every_row_is_exactly_a_call_as_the_engine_saw_it(aggrega
         assert not row.drop
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100, deadline=None, database=None)
 @given(r=agent_rollout(), lengths=limits)
 def test_trajectory_rows_are_windows_of_the_engines_tokens(r, lengths):
     """Whatever is cut, each row's tokens are a contiguous window of one call's prompt + response."""
