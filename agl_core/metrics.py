@@ -64,7 +64,7 @@ def row_statistics(batch: Batch, use_critic: bool) -> Batch:
             low, high = torch.tensor(-torch.inf, dtype=x.dtype), torch.tensor(torch.inf, dtype=x.dtype)
         if id(x) not in computed:
             computed[id(x)] = {
-                "sum": torch.mul(x, weight, out=scratch).sum(-1, dtype=torch.float64),
+                "sum": torch.mul(x, weight, out=scratch).sum(-1),
                 "max": torch.where(valid, x, low, out=scratch).amax(-1),
                 "min": torch.where(valid, x, high, out=scratch).amin(-1),
             }
