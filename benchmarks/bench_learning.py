@@ -5,11 +5,15 @@ model) once per seed, each in a fresh process, and watches its
 ``metrics.jsonl``. Times are wall-clock seconds from the launch of the
 process, so they include start-up (imports, model creation, servers).
 
-The core's share of a step is what is left of ``timing_s/step`` after the
-backend's and the rollout plane's work (``gen``: agents, gateway and
-generation; ``old_log_prob``, ``ref``, ``values``: forward passes;
-``update_actor``, ``update_critic``: forward and backward). Peak RSS is the
-largest resident set of a run's process.
+The core's share of a step is what is left of ``timing_s/step`` after
+generation, forward and backward: the ``gen`` stage (the agents' games:
+agents, HTTP, gateway, store and the policy's sampling), ``old_log_prob``,
+``ref``, ``values`` (forward passes), ``update_actor``, ``update_critic``
+(forward and backward). Inside ``gen``, the torch backend reports the CPU
+time its engine spent sampling (``perf/gen_engine_cpu_s``); the rest of
+``gen`` is the rollout plane's share (agents, HTTP, gateway, store), reported
+too. Peak RSS is the largest resident
+set of a run's process.
 
 Prints the timing breakdown of each run to stderr and one JSON line to stdout.
 Targets: start reward <= 0.4, every seed reaches 0.9 within 300 s, core share
@@ -69,6 +73,8 @@ def run_seed(seed: int, run_dir: Path, overrides: list[str]) -> dict:
     steps = [r for r in records if r["step"] > 0 and "timing_s/step" in r]
     step_time = sum(r["timing_s/step"] for r in steps)
     model_time = sum(r.get(f"timing_s/{stage}", 0.0) for r in steps for stage in MODEL_WORK)
+    gen_time = sum(r.get("timing_s/gen", 0.0) for r in steps)
+    sampling_time = sum(r.get("perf/gen_engine_cpu_s", 0.0) for r in steps)
     breakdown = {key: round(sum(r.get(key, 0.0) for r in steps), 3)
                  for key in sorted({k for r in steps for k in r if k.startswith("timing_s/")})}
     print(f"seed {seed} timing_s (sum over {len(steps)} steps): {json.dumps(breakdown)}", file=sys.stderr)
@@ -84,6 +90,8 @@ def run_seed(seed: int, run_dir: Path, overrides: list[str]) -> dict:
         "steps_per_min": round(len(steps) / step_time * 60, 2) if step_time else None,
         "wall_s": round(wall, 1),
         "core_share": round((step_time - model_time) / step_time, 4) if step_time else None,
+        "rollout_plane_share": round((gen_time - sampling_time) / step_time, 4) if step_time else None,
+        "sampling_share": round(sampling_time / step_time, 4) if step_time else None,
     }
 
 
@@ -112,6 +120,7 @@ def main() -> None:
         "all_reached_0.9_within_300s": all(t is not None and t <= 300 for t in times),
         "steps_per_min": round(sum(r["steps_per_min"] for r in runs) / len(runs), 2),
         "core_overhead_share": max(r["core_share"] for r in runs),
+        "rollout_plane_share": max(r["rollout_plane_share"] for r in runs),
         "peak_rss_gb": round(peak_rss_gb, 3),
         "runs": runs,
     }))

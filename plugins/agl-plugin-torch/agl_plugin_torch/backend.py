@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from agl_core.data import Batch
 from agl_core.http_server import ServerThread
@@ -54,6 +55,7 @@ class Backend:
     engine: Engine | None = None
     server: ServerThread | None = None
     weight_version: int = 0
+    busy_at_step_start: float = 0.0  # the engine's generating CPU time when the step began
 
     # ------------------------------------------------------------ serving
 
@@ -62,13 +64,12 @@ class Backend:
         if self.server is not None:
             return
         serving = self.config.serving
-        self.engine = Engine(self.actor, self.lock, eos_token_ids=eos_token_ids(self.actor, self.tokenizer),
+        self.engine = Engine(self.actor, self.lock, lambda: self.weight_version,
+                             eos_token_ids=eos_token_ids(self.actor, self.tokenizer),
                              pad_token_id=self.tokenizer.pad_token_id,
                              decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
                              generator=self.generator, max_batch_rows=serving.max_batch_rows,
-                             batch_wait_s=serving.batch_wait_ms / 1000)
-        self.engine.weight_version = self.weight_version
-        self.engine.start()
+                             batch_wait_s=serving.batch_wait_ms / 1000).start()
         context = self.actor.config.max_position_embeddings
         try:
             self.server = PolicyServer(self.engine, self.tokenizer, context, serving, model_name).serve()
@@ -84,10 +85,9 @@ class Backend:
         return f"{self.server.url}/v1"
 
     def set_weight_version(self, version: int) -> None:
+        """Record that the weights are now those of update ``version`` (responses report it)."""
         with self.lock:
             self.weight_version = version
-            if self.engine is not None:
-                self.engine.weight_version = version
 
     def stop_serving(self) -> None:
         try:
@@ -107,7 +107,8 @@ class Backend:
         return self.ref
 
     @torch.no_grad()
-    def logprobs(self, model: torch.nn.Module, batch: Batch, with_entropy: bool) -> tuple[torch.Tensor, Any]:
+    def logprobs(self, model: torch.nn.Module, batch: Batch,
+                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response log-probs (and entropy) of every row, in forward micro-batches."""
         device = _device(model)
         parts = [response_logprobs(model, *_inputs(batch, rows, device), batch["responses"][rows].to(device),
@@ -118,6 +119,7 @@ class Backend:
 
     @torch.no_grad()
     def values(self, batch: Batch) -> torch.Tensor:
+        """The critic's values of every row's response positions, in forward micro-batches."""
         width = batch["responses"].shape[1]
         device = _device(self.critic)
         return torch.cat([response_values(self.critic, *_inputs(batch, rows, device), width)
@@ -157,6 +159,7 @@ def create(config: TorchConfig, run_dir: Path, seed: int, with_critic: bool) -> 
     """Make or load the model, its optimizer and (when the estimator needs one) the critic."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    hf_logging.disable_progress_bar()  # bars for loading and saving small models are noise in the training log
     source = modeling.create(config.model, run_dir / "model", seed)
     actor, tokenizer = modeling.load(source, config.model)
     actor_optim, actor_sched = make_optimizer(actor.parameters(), config.actor)

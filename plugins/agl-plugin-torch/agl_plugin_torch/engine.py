@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -45,19 +46,21 @@ class _Job:
 class Engine:
     """Batches generation requests over ``model`` (shared with the trainer, guarded by ``lock``).
 
-    ``weight_version`` is what the trainer sets after each update; it is
-    read under the lock together with the weights. ``generator`` draws the
-    samples of unseeded requests.
+    ``weight_version()`` tells the version of the weights; it is read under
+    the lock together with the weights. ``generator`` draws the samples of
+    unseeded requests.
     """
 
-    def __init__(self, model: torch.nn.Module, lock: threading.Lock, *, eos_token_ids: Sequence[int],
-                 pad_token_id: int, decode: Callable[[list[int]], str], generator: torch.Generator,
-                 max_batch_rows: int = 256, batch_wait_s: float = 0.002):
-        self.model, self.lock, self.generator = model, lock, generator
+    def __init__(self, model: torch.nn.Module, lock: threading.Lock, weight_version: Callable[[], int], *,
+                 eos_token_ids: Sequence[int], pad_token_id: int, decode: Callable[[list[int]], str],
+                 generator: torch.Generator, max_batch_rows: int = 256, batch_wait_s: float = 0.002):
+        self.model, self.lock, self.weight_version, self.generator = model, lock, weight_version, generator
         self.eos_token_ids, self.pad_token_id, self.decode = list(eos_token_ids), pad_token_id, decode
         self.max_batch_rows, self.batch_wait_s = max_batch_rows, batch_wait_s
-        self.weight_version = 0
-        self.batches = 0  # generated batches, for tests and metrics
+        self.batches = 0  # generated batches
+        # CPU time the worker spent generating: the model's share of a step's rollouts. (Its wall time
+        # would also count the waits for the GIL, which the agents, the gateway and the servers hold.)
+        self.busy_cpu_s = 0.0
         self._queue: queue.Queue[_Job] = queue.Queue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._work, name="agl-torch-engine", daemon=True)
@@ -111,10 +114,12 @@ class Engine:
         prompts = [p for job in jobs for p in job.prompts]
         params = [p for job in jobs for p in job.params]
         with self.lock:
-            version = self.weight_version
+            start = time.thread_time()
+            version = self.weight_version()
             samples = generate(self.model, prompts, params, eos_token_ids=self.eos_token_ids,
                                pad_token_id=self.pad_token_id, decode=self.decode, generator=self.generator)
             self.batches += 1
+            self.busy_cpu_s += time.thread_time() - start
         start = 0
         for job in jobs:
             job.future.set_result(Generated(samples[start:start + len(job.prompts)], version))

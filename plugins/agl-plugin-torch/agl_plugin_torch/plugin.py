@@ -46,6 +46,11 @@ class TorchBackend:
                  backend.actor.dtype, backend.url)
 
     @hookimpl
+    def on_step_start(self, ctx, step):
+        backend = backend_of(ctx)
+        backend.busy_at_step_start = backend.engine.busy_cpu_s if backend.engine is not None else 0.0
+
+    @hookimpl
     def on_train_end(self, ctx):
         backend = ctx.state.get(NAME)
         if backend is not None:
@@ -61,6 +66,9 @@ class TorchBackend:
         with backend.lock:
             log_probs, entropy = backend.logprobs(backend.actor, batch, with_entropy=True)
         batch["old_log_probs"], batch["entropys"] = log_probs, entropy
+        if backend.engine is not None:
+            # The model's own share of the rollouts (timing_s/gen also holds agents, HTTP, gateway, store).
+            ctx.step_metrics["perf/gen_engine_cpu_s"] = backend.engine.busy_cpu_s - backend.busy_at_step_start
         if "rollout_log_probs" in batch:
             ctx.step_metrics.update(rollout_logprob_diff(log_probs, batch["rollout_log_probs"],
                                                          batch["response_mask"]))

@@ -86,7 +86,7 @@ class PolicyServer:
                                                          "owned_by": "agl-plugin-torch"}]})
 
     async def _health(self, request: Request) -> Response:
-        return JSONResponse({"ok": True, "weight_version": self.engine.weight_version})
+        return JSONResponse({"ok": True, "weight_version": self.engine.weight_version()})
 
     async def _handle(self, request: Request, chat: bool) -> Response:
         try:

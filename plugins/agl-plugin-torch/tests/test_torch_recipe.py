@@ -36,6 +36,7 @@ def test_the_recipe_trains_and_logs(tmp_path, monkeypatch):
     assert last["rollout/n_succeeded"] == 28 and last["training/n_calls_error"] == 0
     assert last["training/rollout_logprob_diff/max"] < 1e-4
     assert 0 <= last["val/reward/mean"] <= 1
+    assert 0 < last["perf/gen_engine_cpu_s"] <= last["timing_s/gen"]  # the model's part of the games' time
     assert (run_dir / "rollouts.sqlite").exists() and any((run_dir / "tensorboard").iterdir())
     assert (run_dir / "checkpoints" / "global_step_2" / "actor" / "config.json").exists()
     assert main(["plot", str(run_dir)]) == 0 and (run_dir / "curves.png").exists()
