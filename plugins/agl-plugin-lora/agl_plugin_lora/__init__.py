@@ -1,0 +1,17 @@
+"""agl-plugin-lora: LoRA adapters on the actor, the base model as the reference policy.
+
+With LoRA the reference policy is the base model, so no second copy of the
+weights is needed: reference log-probs are the actor's with its adapter
+disabled. Modules, one idea each:
+
+- ``settings``: the recipe section ``plugins.lora``
+- ``adapter``: putting a LoRA adapter on a transformers model, and switching it off
+- ``embedded``: the embedded backend (agl-plugin-torch): its actor adapted, its optimizer over the adapter
+- ``startup``: the start-up check that the reference slot is this plugin's
+- ``export``: a checkpoint's adapter merged into a plain Hugging Face model
+- ``plugin``: the hook implementations
+"""
+
+from agl_plugin_lora.plugin import plugin
+
+__all__ = ["plugin"]

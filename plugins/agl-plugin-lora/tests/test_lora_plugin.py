@@ -1,0 +1,53 @@
+"""The plugin's contract: its recipe section, its hooks, and the start-up check of the reference slot."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+from pydantic import ValidationError
+
+from agl_core.plugins import PluginError
+from agl_core.testing import check_plugin
+
+from agl_plugin_lora import plugin
+from agl_plugin_lora.plugin import adapted_backend
+from agl_plugin_lora.settings import LoraSettings
+from agl_plugin_lora.startup import check_reference_slot
+
+
+def test_the_plugin_passes_the_contract_check():
+    assert check_plugin(plugin, "lora").hooks == ["compute_ref_logprob", "load_checkpoint", "on_train_start",
+                                                  "plugin_config_schema"]
+
+
+def test_the_recipe_section():
+    assert LoraSettings().target_modules == "all-linear"
+    assert LoraSettings(rank=16, alpha=32, dropout=0.05, target_modules=["q_proj"]).target_modules == ["q_proj"]
+    for bad in ({"rank": 0}, {"dropout": 1.0}, {"target_modules": "all"}, {"lora_rank": 8}):
+        with pytest.raises(ValidationError):
+            LoraSettings(**bad)
+
+
+def ctx_with(owner=None, chosen=None):
+    slots = {} if owner is None else {"compute_ref_logprob": (owner, None)}
+    choices = {} if chosen is None else {"compute_ref_logprob": chosen}
+    return SimpleNamespace(slots=slots, config=SimpleNamespace(plugins=SimpleNamespace(slots=choices)))
+
+
+def test_the_reference_slot_must_be_lora_unless_the_recipe_chooses(caplog):
+    check_reference_slot(ctx_with())  # no KL term: no reference slot at all
+    check_reference_slot(ctx_with("lora"))
+    with pytest.raises(PluginError, match=r"plugin 'torch' fills the slot 'compute_ref_logprob'.*"
+                                          r"plugins.slots.compute_ref_logprob=lora"):
+        check_reference_slot(ctx_with("torch"))
+    with caplog.at_level(logging.WARNING, logger="agl_plugin_lora"):
+        check_reference_slot(ctx_with("torch", chosen="torch"))
+    assert "separate copy of the weights" in caplog.text
+
+
+def test_without_the_embedded_backend_the_plugin_says_what_to_enable():
+    ctx = SimpleNamespace(plugins=SimpleNamespace(plugins={}, active=lambda: []))
+    with pytest.raises(PluginError, match=r"plugin 'torch' is not active.*plugins: \[torch, lora\]"):
+        adapted_backend(ctx)

@@ -1,0 +1,69 @@
+"""The reference policy under LoRA is the base model: the adapted actor with its adapter disabled.
+
+Compared with a separately loaded copy of the base model to 1e-5, before and
+after PPO updates of the adapter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agl_plugin_torch import modeling, training
+from agl_plugin_torch.backend import create
+from agl_plugin_torch.settings import TorchConfig
+
+from agl_plugin_lora.embedded import adapt, reference_logprobs
+from agl_plugin_lora.settings import LoraSettings
+from lora_testkit import algorithm, policy_loss, sampled_rows, tiny_section
+
+
+def base_copy(backend):
+    """The base model loaded again from the run's initial weights: no adapter, no shared tensors."""
+    return modeling.load(backend.source, backend.config.model)[0]
+
+
+def train(backend, batch, steps=3):
+    """PPO updates of the actor on ``batch``, advantages rising with the row (some signal to learn)."""
+    for _ in range(steps):
+        batch["old_log_probs"] = backend.logprobs(backend.actor, batch, with_entropy=False)[0]
+        batch["advantages"] = torch.linspace(-1, 1, len(batch)).unsqueeze(1).expand_as(batch["responses"]).clone()
+        training.update_actor(backend.actor, backend.actor_optim, backend.actor_sched, batch, algorithm(),
+                              policy_loss, backend.config.actor)
+
+
+def test_reference_logprobs_equal_a_separate_base_model_before_and_after_training(backend):
+    base = base_copy(backend)
+    batch = sampled_rows(backend)
+    expected = backend.logprobs(base, batch, with_entropy=False)[0]
+    before_actor = backend.logprobs(backend.actor, batch, with_entropy=False)[0]
+    torch.testing.assert_close(reference_logprobs(backend, batch), expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(before_actor, expected, rtol=0, atol=1e-5)  # a fresh adapter is the identity (B = 0)
+
+    train(backend, batch)
+
+    after_actor = backend.logprobs(backend.actor, batch, with_entropy=False)[0]
+    assert (after_actor - expected).abs().max() > 1e-2  # the adapter learned something
+    torch.testing.assert_close(reference_logprobs(backend, batch), expected, rtol=0, atol=1e-5)
+    # The adapter is back on after the reference pass.
+    torch.testing.assert_close(backend.logprobs(backend.actor, batch, with_entropy=False)[0], after_actor)
+
+
+def test_only_the_adapter_trains(backend):
+    before = {name: p.detach().clone() for name, p in backend.actor.named_parameters()}
+    optimized = {id(p) for group in backend.actor_optim.param_groups for p in group["params"]}
+    adapter = {id(p) for name, p in backend.actor.named_parameters() if "lora_" in name}
+    assert optimized == adapter and adapter
+
+    train(backend, sampled_rows(backend), steps=1)
+
+    for name, param in backend.actor.named_parameters():
+        assert torch.equal(param, before[name]) != ("lora_" in name), name
+
+
+def test_target_modules_choose_the_adapted_layers(tmp_path):
+    made = create(TorchConfig.model_validate(tiny_section()), tmp_path, seed=0, with_critic=False)
+    assert adapt(made, LoraSettings(rank=2, target_modules=["q_proj", "v_proj"]))
+    assert not adapt(made, LoraSettings(rank=2))  # already adapted: nothing changes
+    adapted = {name.split(".")[-4] for name, _ in made.actor.named_parameters() if "lora_A" in name}
+    assert adapted == {"q_proj", "v_proj"}
+    assert sum(p.requires_grad for p in made.actor.parameters()) == 2 * 2 * 2  # layers x modules x (A, B)
