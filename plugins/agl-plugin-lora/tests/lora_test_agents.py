@@ -1,0 +1,18 @@
+"""The agent of the end-to-end tests, named in recipes as ``lora_test_agents:say_five``."""
+
+from __future__ import annotations
+
+from openai import OpenAI
+
+
+def say_five(task, llm) -> float:
+    """Two turns of chat; 1.0 when the model's first answer holds the word "5"."""
+    client = OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0, timeout=30)
+    messages = [{"role": "user", "content": task.input["text"]}]
+    reward = 0.0
+    for _ in range(2):
+        reply = client.chat.completions.create(model=llm.model, messages=messages, max_tokens=3)
+        answer = reply.choices[0].message.content or ""
+        reward = reward or float("5" in answer.split())
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "higher"}]
+    return reward
