@@ -1,0 +1,172 @@
+"""Peak memory of a training step: LoRA with the reference in the actor versus full fine-tuning with a reference copy.
+
+Both modes run the embedded backend's own code (agl-plugin-torch) on the
+same model, made from a config (a llama of about 70M parameters by default,
+float32 on the CPU), and the same batch of random rows. One step is what the
+loop does with a KL loss: the old log-probs, the reference log-probs, then
+one PPO update (one mini-batch, one epoch) of the actor.
+
+* ``full``: the backend as it is: AdamW over every weight, and the reference
+  policy a frozen copy of the initial weights that it loads on first use.
+* ``lora``: the actor adapted by agl-plugin-lora (rank 8 on every linear
+  layer): AdamW over the adapter only, and the reference log-probs the
+  actor's with the adapter disabled; no copy.
+
+Each mode runs in a fresh process (so neither inherits the other's heap).
+The step's peak is the kernel's high-water mark of the resident set
+(``VmHWM``), reset just before the step: it counts the model already resident
+plus everything the step adds (reference copy, gradients, optimizer state,
+activations). Prints one JSON line:
+
+    {"bench": "lora_memory", "params": ..., "rows": ..., "prompt_tokens": ..., "response_tokens": ...,
+     "lora_trainable_params": ..., "full_rss_before_bytes": ..., "full_peak_bytes": ..., "full_step_s": ...,
+     "lora_rss_before_bytes": ..., "lora_peak_bytes": ..., "lora_step_s": ..., "saving": ...}
+
+``saving`` is ``1 - lora_peak_bytes / full_peak_bytes`` (the target is >= 0.4).
+Linux only (``/proc/self/status`` and ``clear_refs``).
+
+    python benchmarks/bench_lora_memory.py [--hidden 640] [--layers 10] [--vocab 8000] [--rows 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def rss_bytes(field: str) -> int:
+    """A memory field of this process from ``/proc/self/status`` (``VmRSS``, ``VmHWM``), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak() -> None:
+    """Make ``VmHWM`` restart from the current resident set (Linux >= 4.0)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def random_rows(vocab: int, rows: int, prompt: int, response: int, seed: int = 0):
+    from agl_core.data import Batch
+
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(8, vocab, (rows, prompt), generator=gen)
+    responses = torch.randint(8, vocab, (rows, response), generator=gen)
+    mask = torch.ones(rows, prompt + response, dtype=torch.long)
+    return Batch({"prompts": prompts, "responses": responses, "response_mask": torch.ones_like(responses),
+                  "input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": mask,
+                  "position_ids": torch.arange(prompt + response).expand(rows, -1).clone(),
+                  "advantages": torch.randn(rows, response, generator=gen)},
+                 {"uid": np.array([f"t{i // 4}" for i in range(rows)], dtype=object)})
+
+
+def policy_loss(old_log_prob, log_prob, advantages, response_mask, config):
+    """The ``vanilla`` policy loss, as the core's estimators plugin registers it."""
+    from agl_core.algorithms.losses import ppo_clip_loss
+
+    return ppo_clip_loss(old_log_prob, log_prob, advantages, response_mask, clip_ratio=config.clip_ratio,
+                         loss_agg_mode=config.loss_agg_mode)
+
+
+def make_backend(mode: str, args: argparse.Namespace, run_dir: Path, hidden: int, layers: int, heads: int):
+    """The embedded backend of a llama made from a config; with ``mode == "lora"`` its actor adapted."""
+    from agl_plugin_torch.backend import create
+    from agl_plugin_torch.settings import TorchConfig
+
+    from agl_plugin_lora.embedded import adapt
+    from agl_plugin_lora.settings import LoraSettings
+
+    section = {"model": {"build": {"vocabulary": [f"w{i}" for i in range(args.vocab)], "hidden_size": hidden,
+                                   "num_layers": layers, "num_heads": heads, "max_position_embeddings": 512},
+                         "dtype": "float32", "device": "cpu"},
+               "actor": {"lr": 1e-5, "micro_batch_size": args.micro_batch}, "num_threads": args.threads,
+               "forward_micro_batch_size": args.micro_batch}
+    backend = create(TorchConfig.model_validate(section), run_dir, seed=0, with_critic=False)
+    if mode == "lora":
+        adapt(backend, LoraSettings(rank=args.rank, alpha=2 * args.rank))
+    return backend
+
+
+def step(mode: str, backend, batch, rows: int) -> None:
+    """What the loop does with a KL loss: old log-probs, reference log-probs, one PPO update."""
+    from agl_core.config import AlgorithmConfig
+    from agl_plugin_torch import training
+
+    from agl_plugin_lora.embedded import reference_logprobs
+
+    algorithm = AlgorithmConfig(ppo_mini_batch_size=rows, ppo_epochs=1,
+                                policy_loss={"use_kl_loss": True, "kl_loss_coef": 0.01})
+    batch["old_log_probs"] = backend.logprobs(backend.actor, batch, with_entropy=False)[0]
+    batch["ref_log_prob"] = (reference_logprobs(backend, batch) if mode == "lora" else
+                             backend.logprobs(backend.reference(), batch, with_entropy=False)[0])
+    training.update_actor(backend.actor, backend.actor_optim, backend.actor_sched, batch, algorithm, policy_loss,
+                          backend.config.actor)
+
+
+def measure(mode: str, args: argparse.Namespace) -> dict:
+    """One training step of ``mode`` in this process; its peak RSS and time.
+
+    A step of the same mode on a tiny model comes first: the first use of each
+    kernel pages in code of libtorch and makes one-time buffers, hundreds of
+    MB of resident set that are no part of what the step's size costs.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = make_backend(mode, args, Path(tmp) / "tiny", hidden=32, layers=1, heads=2)
+        step(mode, tiny, random_rows(len(tiny.tokenizer), args.rows, args.prompt, args.response), args.rows)
+        del tiny
+        backend = make_backend(mode, args, Path(tmp) / "model", args.hidden, args.layers, args.heads)
+        batch = random_rows(len(backend.tokenizer), args.rows, args.prompt, args.response)
+        before = rss_bytes("VmRSS")
+        reset_peak()
+        start = time.perf_counter()
+        step(mode, backend, batch, args.rows)
+        step_s = time.perf_counter() - start
+        peak = rss_bytes("VmHWM")
+    return {"params": sum(p.numel() for n, p in backend.actor.named_parameters() if "lora_" not in n),
+            "trainable": sum(p.numel() for p in backend.actor.parameters() if p.requires_grad),
+            "rss_before_bytes": before, "peak_bytes": peak, "step_s": round(step_s, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=640)
+    parser.add_argument("--layers", type=int, default=10)
+    parser.add_argument("--heads", type=int, default=10)
+    parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--micro-batch", type=int, default=2, help="rows per forward/backward (both modes)")
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--response", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--mode", choices=["full", "lora"], help=argparse.SUPPRESS)  # a child process's one mode
+    args = parser.parse_args()
+    if args.mode:
+        print(json.dumps(measure(args.mode, args)))
+        return
+    results = {}
+    for mode in ("full", "lora"):
+        child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--mode", mode], check=True,
+                               capture_output=True, text=True)
+        results[mode] = json.loads(child.stdout.strip().splitlines()[-1])
+    full, lora = results["full"], results["lora"]
+    print(json.dumps({"bench": "lora_memory", "params": full["params"], "rows": args.rows,
+                      "micro_batch": args.micro_batch,
+                      "prompt_tokens": args.prompt, "response_tokens": args.response, "rank": args.rank,
+                      "lora_trainable_params": lora["trainable"],
+                      **{f"{mode}_{key}": value for mode in ("full", "lora")
+                         for key, value in results[mode].items() if key not in ("params", "trainable")},
+                      "saving": round(1 - lora["peak_bytes"] / full["peak_bytes"], 3)}))
+
+
+if __name__ == "__main__":
+    main()
