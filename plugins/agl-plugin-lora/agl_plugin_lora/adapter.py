@@ -18,6 +18,9 @@ from transformers import PreTrainedModel
 
 from agl_plugin_lora.settings import LoraSettings
 
+ADAPTER_CONFIG = "adapter_config.json"
+"""The file ``save_pretrained`` of an adapted model writes next to the adapter's weights."""
+
 
 def lora_config(settings: LoraSettings) -> LoraConfig:
     """peft's config of the adapter the recipe asks for."""

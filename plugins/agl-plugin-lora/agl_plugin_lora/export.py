@@ -24,27 +24,29 @@ from agl_core.checkpoint import latest_checkpoint
 
 from agl_plugin_torch.backend import ACTOR_DIR
 
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+from agl_plugin_lora.adapter import ADAPTER_CONFIG
+
+ADAPTER_FILES = (ADAPTER_CONFIG, "adapter_model.safetensors", "adapter_model.bin")
 
 
 def adapter_dir(path: Path) -> Path:
     """The adapter directory of a run directory (its latest checkpoint), a checkpoint, or an adapter directory."""
     path = Path(path)
-    if (path / ADAPTER_FILES[0]).is_file():
+    if (path / ADAPTER_CONFIG).is_file():
         return path
-    if (path / ACTOR_DIR / ADAPTER_FILES[0]).is_file():
+    if (path / ACTOR_DIR / ADAPTER_CONFIG).is_file():
         return path / ACTOR_DIR
     checkpoint = latest_checkpoint(path)
-    if checkpoint is not None and (checkpoint / ACTOR_DIR / ADAPTER_FILES[0]).is_file():
+    if checkpoint is not None and (checkpoint / ACTOR_DIR / ADAPTER_CONFIG).is_file():
         return checkpoint / ACTOR_DIR
     raise FileNotFoundError(f"no LoRA adapter at {path}: expected a run directory with checkpoints, a checkpoint "
-                            f"directory, or a directory with {ADAPTER_FILES[0]}")
+                            f"directory, or a directory with {ADAPTER_CONFIG}")
 
 
 def merge(path: Path, out: Path) -> Path:
     """Write the base model with the adapter of ``path`` merged in, and the tokenizer, to ``out``."""
     source = adapter_dir(path)
-    base_path = json.loads((source / ADAPTER_FILES[0]).read_text())["base_model_name_or_path"]
+    base_path = json.loads((source / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
     base = AutoModelForCausalLM.from_pretrained(base_path, local_files_only=True)
     merged = PeftModel.from_pretrained(base, source, local_files_only=True).merge_and_unload()
     out.mkdir(parents=True, exist_ok=True)

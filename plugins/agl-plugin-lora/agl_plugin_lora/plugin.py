@@ -22,12 +22,11 @@ from agl_plugin_torch.backend import NAME as TORCH
 from agl_plugin_torch.plugin import backend_of
 
 from agl_plugin_lora import embedded
+from agl_plugin_lora.adapter import ADAPTER_CONFIG
 from agl_plugin_lora.settings import LoraSettings
 from agl_plugin_lora.startup import NAME, check_reference_slot
 
 log = logging.getLogger("agl_plugin_lora")
-
-ADAPTER_CONFIG = "adapter_config.json"
 
 
 def adapted_backend(ctx) -> Backend:

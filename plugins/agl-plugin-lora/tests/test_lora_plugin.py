@@ -1,4 +1,4 @@
-"""The plugin's contract: its recipe section, its hooks, and the start-up check of the reference slot."""
+"""The plugin's contract: its recipe section, its hooks, the start-up check of the reference slot, clear refusals."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from agl_core.plugins import PluginError
 from agl_core.testing import check_plugin
 
 from agl_plugin_lora import plugin
+from agl_plugin_lora.export import merge
 from agl_plugin_lora.plugin import adapted_backend
 from agl_plugin_lora.settings import LoraSettings
 from agl_plugin_lora.startup import check_reference_slot
@@ -51,3 +52,15 @@ def test_without_the_embedded_backend_the_plugin_says_what_to_enable():
     ctx = SimpleNamespace(plugins=SimpleNamespace(plugins={}, active=lambda: []))
     with pytest.raises(PluginError, match=r"plugin 'torch' is not active.*plugins: \[torch, lora\]"):
         adapted_backend(ctx)
+
+
+def test_a_fully_fine_tuned_checkpoint_is_not_resumed_with_lora(tmp_path):
+    (tmp_path / "actor").mkdir()
+    (tmp_path / "actor" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(PluginError, match="holds a fully fine-tuned actor, not a LoRA adapter"):
+        plugin.load_checkpoint(ctx=None, path=str(tmp_path))
+
+
+def test_export_says_where_it_looked_for_an_adapter(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"no LoRA adapter at {tmp_path}"):
+        merge(tmp_path, tmp_path / "out")
