@@ -25,23 +25,30 @@ ADAPTER_CONFIG = "adapter_config.json"
 def lora_config(settings: LoraSettings) -> LoraConfig:
     """peft's config of the adapter the recipe asks for."""
     return LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-                      target_modules=settings.target_modules, bias="none", task_type="CAUSAL_LM")
+                      target_modules=settings.target_modules, modules_to_save=settings.modules_to_save or None,
+                      bias="none", task_type="CAUSAL_LM")
 
 
 def has_adapter(model: PreTrainedModel) -> bool:
     return bool(getattr(model, "_hf_peft_config_loaded", False))
 
 
-def add_adapter(model: PreTrainedModel, settings: LoraSettings) -> None:
-    """Put a fresh adapter on ``model``: only its parameters train, and it starts as the identity (B = 0).
+def is_adapter_parameter(name: str) -> bool:
+    """Whether parameter ``name`` belongs to the adapter (LoRA matrices, trained copies of modules_to_save)."""
+    return "lora_" in name or ".modules_to_save." in name
 
-    peft freezes the base weights when it injects the adapter; they are
-    frozen again here because the reference policy's equality with the base
-    model rests on it.
+
+def add_adapter(model: PreTrainedModel, settings: LoraSettings) -> None:
+    """Put a fresh adapter on ``model``: only its parameters train, and it starts as the identity.
+
+    (B = 0, and each module to save starts as a copy of the original.) peft
+    freezes the base weights when it injects the adapter; they are frozen
+    again here because the reference policy's equality with the base model
+    rests on it.
     """
     model.add_adapter(lora_config(settings))
     for name, param in model.named_parameters():
-        param.requires_grad_("lora_" in name)
+        param.requires_grad_(is_adapter_parameter(name))
 
 
 @contextmanager

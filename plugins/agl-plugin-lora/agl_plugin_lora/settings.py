@@ -18,3 +18,6 @@ class LoraSettings(BaseModel):
     target_modules: Literal["all-linear"] | list[str] = Field(
         "all-linear", description="module names to adapt (e.g. [q_proj, v_proj]), or all-linear: every linear "
                                   "layer but the output head")
+    modules_to_save: list[str] = Field(
+        default_factory=list, description="modules trained in full next to the adapter (peft's modules_to_save, "
+                                          "e.g. [norm]): a copy trains, the original stays for the reference")

@@ -32,6 +32,19 @@ def train(backend, batch, steps=3):
 
 
 def test_reference_logprobs_equal_a_separate_base_model_before_and_after_training(backend):
+    check_reference_through_training(backend)
+
+
+def test_trained_copies_of_modules_to_save_are_off_for_the_reference(tmp_path):
+    made = create(TorchConfig.model_validate(tiny_section()), tmp_path, seed=0, with_critic=False)
+    assert adapt(made, LoraSettings(rank=4, alpha=8, modules_to_save=["norm"]))
+    copies = [name for name, p in made.actor.named_parameters() if p.requires_grad and "lora_" not in name]
+    assert len(copies) == 5 and all(".modules_to_save.default." in name for name in copies)  # 2 per layer + final
+    check_reference_through_training(made)
+
+
+def check_reference_through_training(backend):
+    """Reference log-probs equal a separately loaded base model's to 1e-5, before and after PPO updates."""
     base = base_copy(backend)
     batch = sampled_rows(backend)
     expected = backend.logprobs(base, batch, with_entropy=False)[0]
