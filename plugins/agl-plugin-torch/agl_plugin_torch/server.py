@@ -92,7 +92,7 @@ class PolicyServer:
         try:
             body = _json_object(await request.body())
             prompt_ids = self._chat_prompt(body) if chat else self._completion_prompt(body)
-            params = self._params(body, len(prompt_ids))
+            params = self._params(body, len(prompt_ids), chat)
         except BadRequest as exc:
             return error_response(400, str(exc))
         try:
@@ -126,7 +126,7 @@ class PolicyServer:
             return prompt
         raise BadRequest("'prompt' must be a string or a non-empty list of token ids")
 
-    def _params(self, body: dict[str, Any], prompt_length: int) -> list[SamplingParams]:
+    def _params(self, body: dict[str, Any], prompt_length: int, chat: bool) -> list[SamplingParams]:
         """One :class:`SamplingParams` per choice (``n``), checked; choice ``i`` of a seeded request uses seed + i."""
         if body.get("stream"):
             raise BadRequest("streaming is not supported: call with stream=false")
@@ -146,7 +146,7 @@ class PolicyServer:
         if not isinstance(stop_token_ids, list) or not all(isinstance(t, int) for t in stop_token_ids):
             raise BadRequest("'stop_token_ids' must be a list of token ids")
         # Chat asks for alternatives with top_logprobs; completions with logprobs=<k>.
-        alternatives = "top_logprobs" if "messages" in body else "logprobs"
+        alternatives = "top_logprobs" if chat else "logprobs"
         seed = body.get("seed")
         common = dict(
             max_tokens=min(max_tokens, room),
@@ -155,7 +155,7 @@ class PolicyServer:
             top_k=max(0, _integer("top_k", _get(body, "top_k", 0), low=-1)),
             stop=tuple(stop), stop_token_ids=tuple(stop_token_ids), ignore_eos=bool(body.get("ignore_eos")),
             top_logprobs=_integer(alternatives, _get(body, alternatives, 0), low=0, high=20))
-        n = _integer("n", _get(body, "n", 1), low=1)
+        n = _integer("n", _get(body, "n", 1), low=1, high=self.config.max_batch_rows)
         if seed is not None:
             seed = _integer("seed", seed)
         return [SamplingParams(seed=None if seed is None else seed + i, **common) for i in range(n)]

@@ -152,13 +152,35 @@ def test_misbehaving_agents_fail_their_rollouts_and_training_goes_on(tmp_path):
     assert metrics["training/rollout_logprob_diff/max"] < 1e-4
 
 
-def test_the_served_logprobs_reach_training_unchanged(tmp_path):
+class RolloutRecorder:
+    """A ``post_process_batch`` stage before the aggregator that keeps each step's rollouts."""
+
+    AGL_HOOK_API = HOOK_API_VERSION
+    AGL_ORDER = 1
+
+    def __init__(self):
+        self.rollouts: list[list[Rollout]] = []
+
+    @hookimpl
+    def post_process_batch(self, ctx, batch):
+        self.rollouts.append(batch.meta["rollouts"])
+        return batch
+
+
+def test_served_logprobs_and_weight_versions_reach_the_spans_and_training(tmp_path):
     path = recipe_file(tmp_path, rollout={"agent": "torch_test_agents:say_five", "n": 4, "n_workers": 8})
-    trainer = run(path, ["trainer.total_steps=1"], extra=False)
-    metrics = logged(trainer.ctx.run_dir)[1]
-    # Through the gateway, the store and the trajectory aggregator, from concurrent batched calls.
-    assert metrics["training/n_calls"] == 16
-    assert 0 <= metrics["training/rollout_logprob_diff/max"] < 1e-4
+    recorder = RolloutRecorder()
+    recipe, pset = load(path, [], ["torch", "traces"], extra_plugins=[("recorder", recorder)])
+    trainer = Trainer(recipe, pset, train_tasks=TASKS, val_tasks=[])
+    trainer.fit()
+    metrics = logged(trainer.ctx.run_dir)
+    for step, rollouts in enumerate(recorder.rollouts, start=1):
+        # Through the gateway, the store and the trajectory aggregator, from concurrent batched calls.
+        assert metrics[step]["training/n_calls"] == 16
+        assert 0 <= metrics[step]["training/rollout_logprob_diff/max"] < 1e-4
+        calls = [span for r in rollouts for span in r.spans if span.kind == "llm_call"]
+        # Step s samples with the weights of update s - 1, and each span says so.
+        assert {span.attributes["response"]["weight_version"] for span in calls} == {step - 1}
 
 
 def test_a_missing_model_path_is_one_clear_error(tmp_path, capsys):

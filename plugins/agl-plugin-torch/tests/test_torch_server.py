@@ -5,8 +5,12 @@ import threading
 import httpx
 import openai
 import pytest
+from openai import OpenAI
+from transformers import PreTrainedTokenizerFast
 
-from torch_testkit import full_forward_logprobs
+from agl_plugin_torch.backend import create
+from agl_plugin_torch.settings import TorchConfig
+from torch_testkit import full_forward_logprobs, tiny_section
 
 MESSAGES = [{"role": "user", "content": "guess a number"}, {"role": "assistant", "content": "5"},
             {"role": "user", "content": "higher"}]
@@ -81,6 +85,26 @@ def test_responses_carry_the_version_of_the_weights_that_made_them(served, clien
 def test_bad_requests_are_refused_with_the_reason(client, kwargs, message):
     with pytest.raises(openai.BadRequestError, match=message):
         client.chat.completions.create(**{"model": "policy", "messages": MESSAGES, **kwargs})
+
+
+def test_a_made_qwen2_model_is_served_with_its_own_word_tokenizer(tmp_path):
+    section = tiny_section()
+    section["model"]["build"]["architecture"] = "qwen2"
+    backend = create(TorchConfig.model_validate(section), tmp_path, seed=0, with_critic=False)
+    backend.start_serving("policy")
+    try:
+        client = OpenAI(base_url=backend.url, api_key="unused", max_retries=0, timeout=30)
+        reply = client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=4)
+    finally:
+        backend.stop_serving()
+    assert type(backend.actor).__name__ == "Qwen2ForCausalLM"
+    assert reply.model_extra["prompt_token_ids"][:3] == backend.tokenizer.encode("<|user|> guess a")
+    served = [entry.logprob for entry in reply.choices[0].logprobs.content]
+    recomputed = full_forward_logprobs(backend, reply.model_extra["prompt_token_ids"],
+                                       reply.choices[0].model_extra["token_ids"])
+    assert served == pytest.approx(recomputed, abs=1e-5)
+    reloaded = PreTrainedTokenizerFast.from_pretrained(tmp_path / "model")
+    assert reloaded.encode("higher , 3") == backend.tokenizer.encode("higher , 3")
 
 
 def test_models_lists_the_policy(client):
