@@ -24,18 +24,9 @@ class _Largest:
         self.part = part
 
     def __lt__(self, other: _Largest) -> bool:
-        return _part_key(self.part) > _part_key(other.part)
-
-
-def _part_key(part: list) -> tuple:
-    # A part is [total, items]; verl orders parts by sum, then size, then items.
-    return part[0], len(part[1]), part[1]
-
-
-def _entry(parts: list[list], counter: int) -> tuple:
-    """A heap entry for a state (its parts in decreasing order): largest spread pops first."""
-    parts.sort(key=_part_key, reverse=True)
-    return -(parts[0][0] - parts[-1][0]), _Largest(parts[0]), counter, parts
+        mine, theirs = self.part, other.part
+        # verl orders parts by sum, then size, then items.
+        return (mine[0], len(mine[1]), mine[1]) > (theirs[0], len(theirs[1]), theirs[1])
 
 
 def balanced_partitions(seqlens: Sequence[float] | np.ndarray, k: int, equal_size: bool = True) -> list[list[int]]:
@@ -55,15 +46,21 @@ def balanced_partitions(seqlens: Sequence[float] | np.ndarray, k: int, equal_siz
         raise ValueError(f"cannot split {len(values)} items into {k} non-empty partitions")
     if equal_size and len(values) % k:
         raise ValueError(f"equal_size needs len(seqlens) divisible by k: {len(values)} % {k} = {len(values) % k}")
-    ordered = sorted(zip(values, range(len(values))))
+    # A part is [sum, indices]. verl keeps (index, value) pairs and breaks ties
+    # by comparing them; indices are unique, so comparing the indices alone
+    # gives the same order with fewer objects.
+    ordered = sorted(range(len(values)), key=values.__getitem__)
     # Start states: with equal_size, each run of k consecutive values (by size)
-    # is spread one per part, so every merge keeps the part sizes equal.
+    # is spread one per part, so every merge keeps the part sizes equal and
+    # parts compare by [sum, indices] alone (verl also compares sizes).
     group = k if equal_size else 1
+    by_part = None if equal_size else (lambda part: (part[0], len(part[1]), part[1]))
     heap = []
     for start in range(0, len(ordered), group):
-        parts = [[value, [(index, value)]] for value, index in ordered[start:start + group]]
+        parts = [[values[index], [index]] for index in ordered[start:start + group]]
         parts += [[0, []] for _ in range(k - group)]
-        heap.append(_entry(parts, len(heap)))
+        parts.sort(key=by_part, reverse=True)
+        heap.append((parts[-1][0] - parts[0][0], _Largest(parts[0]), len(heap), parts))
     heapq.heapify(heap)
     counter = len(heap)
     while len(heap) > 1:
@@ -71,10 +68,12 @@ def balanced_partitions(seqlens: Sequence[float] | np.ndarray, k: int, equal_siz
         # The differencing step: pair the first state's largest part with the second's smallest, and so on.
         for mine, theirs in zip(first, reversed(second)):
             mine[0] += theirs[0]
-            mine[1].extend(theirs[1])
-        heapq.heappush(heap, _entry(first, counter))
+            mine[1] += theirs[1]
+        first.sort(key=by_part, reverse=True)
+        # Largest spread pops first; on a tie, the state with the larger largest part.
+        heapq.heappush(heap, (first[-1][0] - first[0][0], _Largest(first[0]), counter, first))
         counter += 1
-    return [sorted(index for index, _ in part[1]) for part in heap[0][3]]
+    return [sorted(part[1]) for part in heap[0][3]]
 
 
 def _workload(seqlens: np.ndarray) -> np.ndarray:
@@ -107,15 +106,15 @@ def balanced_order(seqlens: Sequence[float] | np.ndarray, world_size: int) -> tu
         raise ValueError(f"cannot balance {n} rows over {world_size} ranks: pad or floor the batch "
                          f"to a multiple of {world_size} first")
     if world_size == 1:
-        partitions = [np.arange(n)]
+        order = np.arange(n).reshape(1, n)
     else:
-        workload = _workload(seqlens).tolist()
-        partitions = balanced_partitions(workload, world_size, equal_size=True)
-        for i, part in enumerate(partitions):
-            part.sort(key=lambda row: (workload[row], row))
-            partitions[i] = part[::2] + part[1::2][::-1]
+        workload = _workload(seqlens)
+        parts = np.array(balanced_partitions(workload, world_size, equal_size=True))
+        # Within a part: by workload (then row), arranged small-large-small.
+        by_workload = np.take_along_axis(parts, np.lexsort((parts, workload[parts]), axis=-1), axis=-1)
+        order = np.concatenate([by_workload[:, ::2], by_workload[:, 1::2][:, ::-1]], axis=-1)
     before = seqlens.reshape(world_size, -1).sum(-1)
-    after = np.array([seqlens[part].sum() for part in partitions])
+    after = seqlens[order].sum(-1)
     metrics = {
         "global_seqlen/min": before.min(),
         "global_seqlen/max": before.max(),
@@ -124,4 +123,4 @@ def balanced_order(seqlens: Sequence[float] | np.ndarray, world_size: int) -> tu
         "global_seqlen/balanced_max": after.max(),
         "global_seqlen/mean": before.sum() / world_size,
     }
-    return np.concatenate(partitions).astype(np.int64), {key: float(value) for key, value in metrics.items()}
+    return order.reshape(-1).astype(np.int64), {key: float(value) for key, value in metrics.items()}

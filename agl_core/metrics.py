@@ -42,31 +42,39 @@ def row_statistics(batch: Batch, use_critic: bool) -> Batch:
     statistics of any selection of rows into metrics without touching the
     big tensors again (the loop reports the same metrics before and after
     dropping and flooring rows). Tokens count when the response part of
-    ``attention_mask`` is set.
+    ``attention_mask`` is set; ``advantages``, ``returns`` and ``values``
+    must be finite at the other positions (estimators write 0 there).
     """
     prompt_length, response_length, max_prompt_length, max_response_length = _lengths(batch)
     valid = batch["attention_mask"][:, max_prompt_length:].bool()
+    n_valid = valid.sum(-1)
     columns = {
         "score": batch["token_level_scores"].sum(-1),
         "reward": batch["token_level_rewards"].sum(-1),
         "prompt_length": prompt_length,
         "response_length": response_length,
-        "n_valid": batch["attention_mask"][:, max_prompt_length:].sum(-1),
+        "n_valid": n_valid,
     }
-    # Masked reductions write into one reused scratch tensor: a fresh (N, R)
-    # temporary per reduction costs more in page faults than the arithmetic.
-    weight = scratch = None
+    # Masked reductions by arithmetic, not torch.where: with w the 0/1 mask and
+    # f = (w - 1) * finfo.max, a row's sum is sum(x w), its max is
+    # max(x w + f) and its min is min(x w - f), all exact for finite x.
+    # The passes write into reused scratch tensors: a fresh (N, R) temporary
+    # per reduction costs more in page faults than the arithmetic.
+    empty = n_valid == 0
+    weight = None
     computed: dict[int, dict[str, torch.Tensor]] = {}  # outcome estimators return one tensor as both
     for name in ["advantages", "returns"] + (["values"] if use_critic else []):
         x = batch[name]
-        if scratch is None or scratch.dtype != x.dtype:
-            weight, scratch = valid.to(x.dtype), torch.empty_like(x)
-            low, high = torch.tensor(-torch.inf, dtype=x.dtype), torch.tensor(torch.inf, dtype=x.dtype)
+        if weight is None or weight.dtype != x.dtype:
+            weight = valid.view(torch.uint8).to(x.dtype)  # via uint8: bool -> float is a slow path in torch
+            fence = (weight - 1).mul_(torch.finfo(x.dtype).max)
+            masked, scratch = torch.empty_like(x), torch.empty_like(x)
         if id(x) not in computed:
+            torch.mul(x, weight, out=masked)
             computed[id(x)] = {
-                "sum": torch.mul(x, weight, out=scratch).sum(-1),
-                "max": torch.where(valid, x, low, out=scratch).amax(-1),
-                "min": torch.where(valid, x, high, out=scratch).amin(-1),
+                "sum": masked.sum(-1),
+                "max": torch.add(masked, fence, out=scratch).amax(-1).masked_fill_(empty, -torch.inf),
+                "min": torch.sub(masked, fence, out=scratch).amin(-1).masked_fill_(empty, torch.inf),
             }
         columns.update({f"{name}_{stat}": value for stat, value in computed[id(x)].items()})
     if use_critic:
