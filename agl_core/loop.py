@@ -25,7 +25,8 @@ from agl_core.components import Components
 from agl_core.config import Recipe, resolved, to_yaml
 from agl_core.context import TrainContext
 from agl_core.data import Batch, Task
-from agl_core.metrics import compute_throughput_metrics, compute_timing_metrics, row_statistics, summarize
+from agl_core.metrics import (compute_throughput_metrics, compute_timing_metrics, row_statistics, sequence_lengths,
+                              summarize)
 from agl_core.plugins import PluginSet, call
 from agl_core.tasks import TaskSampler, load_tasks
 from agl_core.timing import timer
@@ -75,7 +76,8 @@ class Trainer:
                             "skipping the update", ctx.step, len(rollouts))
                 metrics["training/skipped_step"] = 1.0
                 return metrics
-            batch.meta["global_token_num"] = batch["attention_mask"].sum(-1).tolist()
+            lengths = sequence_lengths(batch)
+            batch.meta["global_token_num"] = (lengths[0] + lengths[1]).long().tolist()
 
             batch, pad_size = batch.pad_to_divisor(ctx.world_size)
             with timer("old_log_prob", timing):
@@ -101,7 +103,7 @@ class Trainer:
                 else:
                     batch["token_level_rewards"] = batch["token_level_scores"]
                 batch = ctx.call("advantage", batch=batch)
-            stats = row_statistics(batch, plan_.needs_critic)
+            stats = row_statistics(batch, plan_.needs_critic, lengths)
             metrics.update(summarize(stats, suffix="_before_processing"))
 
             rows, drop_metrics = rows_to_keep(batch["is_drop_mask"])

@@ -16,26 +16,25 @@ import torch
 from agl_core.data import Batch
 
 __all__ = ["compute_data_metrics", "compute_throughput_metrics", "compute_timing_metrics", "row_statistics",
-           "summarize"]
+           "sequence_lengths", "summarize"]
 
 
-def _lengths(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """``(prompt_length, response_length, max_prompt_length, max_response_length)``; lengths are float ``(N,)``.
+def sequence_lengths(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(prompt_length, response_length)`` of each row, float ``(N,)``: the set bits of ``attention_mask``.
 
     Same as verl's ``_compute_response_info``, including its shortcut of
     taking ``prompt_length``/``response_length`` columns when both exist.
     """
-    max_response_length = batch["responses"].shape[-1]
-    attention_mask = batch["attention_mask"]
-    max_prompt_length = attention_mask.shape[-1] - max_response_length
     if "prompt_length" in batch and "response_length" in batch:
-        return batch["prompt_length"], batch["response_length"], max_prompt_length, max_response_length
-    prompt_length = attention_mask[:, :max_prompt_length].sum(-1).float()
-    response_length = attention_mask[:, max_prompt_length:].sum(-1).float()
-    return prompt_length, response_length, max_prompt_length, max_response_length
+        return batch["prompt_length"], batch["response_length"]
+    attention_mask = batch["attention_mask"]
+    max_prompt_length = attention_mask.shape[-1] - batch["responses"].shape[-1]
+    return (attention_mask[:, :max_prompt_length].sum(-1).float(),
+            attention_mask[:, max_prompt_length:].sum(-1).float())
 
 
-def row_statistics(batch: Batch, use_critic: bool) -> Batch:
+def row_statistics(batch: Batch, use_critic: bool,
+                   lengths: tuple[torch.Tensor, torch.Tensor] | None = None) -> Batch:
     """Per-row sums, extremes and counts from which the data metrics of any subset of rows follow.
 
     One pass over the ``(N, R)`` columns; :func:`summarize` then turns the
@@ -44,10 +43,14 @@ def row_statistics(batch: Batch, use_critic: bool) -> Batch:
     dropping and flooring rows). Tokens count when the response part of
     ``attention_mask`` is set; ``advantages``, ``returns`` and ``values``
     must be finite at the other positions (estimators write 0 there).
+    ``lengths`` are the rows' :func:`sequence_lengths`, when already known.
     """
-    prompt_length, response_length, max_prompt_length, max_response_length = _lengths(batch)
+    prompt_length, response_length = sequence_lengths(batch) if lengths is None else lengths
+    max_response_length = batch["responses"].shape[-1]
+    max_prompt_length = batch["attention_mask"].shape[-1] - max_response_length
     valid = batch["attention_mask"][:, max_prompt_length:].bool()
-    n_valid = valid.sum(-1)
+    # Without length columns, response_length is the count of the mask's bits; with them, count the bits.
+    n_valid = valid.sum(-1) if "response_length" in batch else response_length
     columns = {
         "score": batch["token_level_scores"].sum(-1),
         "reward": batch["token_level_rewards"].sum(-1),
