@@ -1,4 +1,4 @@
-"""The ``agl`` command: train, plugins, config show, doctor, plot."""
+"""The ``agl`` command: train, plugins, config show, doctor, export, plot."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 import platform
 import sys
 from importlib import metadata
+from pathlib import Path
 
 from agl_core import HOOK_API_VERSION, __version__
 from agl_core.config import ConfigError, load, resolved, to_yaml
@@ -54,6 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("recipe", nargs="?")
     doctor.add_argument("overrides", nargs="*")
     doctor.set_defaults(run=cmd_doctor)
+
+    export = sub.add_parser("export", parents=[plugin_flag],
+                            help="write a run's trained policy as a model (--merged: a plain Hugging Face model)")
+    export.add_argument("run_dir", help="run directory (its latest checkpoint is exported), or one of its checkpoints")
+    export.add_argument("overrides", nargs="*", help="key=value overrides of the run's recipe")
+    target = export.add_mutually_exclusive_group(required=True)
+    target.add_argument("--merged", metavar="OUT",
+                        help="write a model that loads on its own (e.g. a LoRA adapter folded into its base)")
+    target.add_argument("--out", metavar="OUT", help="write the policy in its plugin's own format (e.g. the adapter)")
+    export.set_defaults(run=cmd_export)
 
     plot = sub.add_parser("plot", help="draw a run's curves (reward, KL, entropy, ...) into a PNG")
     plot.add_argument("run_dir", help="run directory (trainer.run_dir) holding metrics.jsonl")
@@ -131,6 +142,44 @@ def cmd_doctor(args) -> int:
     stages = plugins.pipeline("post_process_batch", recipe.plugins.order.get("post_process_batch"))
     print("post_process_batch pipeline: " + (" -> ".join(n for n, _ in stages) or "(empty)"))
     return 1 if problems else 0
+
+
+def cmd_export(args) -> int:
+    """Ask the plugins of the run's recipe to export its checkpoint; exactly one must (hook ``export_model``)."""
+    from agl_core.checkpoint import CORE_STATE, latest_checkpoint
+    from agl_core.components import Components
+    from agl_core.context import TrainContext
+
+    given = Path(args.run_dir)
+    if (given / CORE_STATE).is_file():
+        checkpoint, run_dir = given, given.parent.parent
+    else:
+        run_dir, checkpoint = given, latest_checkpoint(given)
+    recipe_file = run_dir / "config.yaml"
+    if not recipe_file.is_file():
+        raise ValueError(f"{given} is not a run directory or a checkpoint of one: {recipe_file} does not exist")
+    if checkpoint is None:
+        raise ValueError(f"the run directory {run_dir} holds no complete checkpoint to export "
+                         f"(checkpoints are written every trainer.save_freq steps and at the end)")
+    out = Path(args.merged or args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} exists and is not an empty directory; choose a new one")
+    recipe, plugins = load(recipe_file, args.overrides, args.plugin_flags)
+    ctx = TrainContext(recipe, plugins, Components.collect(plugins), run_dir)
+    results = plugins.broadcast("export_model", ctx=ctx, path=str(checkpoint), out=str(out),
+                                merged=args.merged is not None)
+    exported = {name: result for name, result in results.items() if result is not None}
+    if not exported:
+        asked = ", ".join(results) or "none of the run's active plugins implements export_model"
+        raise ValueError(f"no plugin of run {run_dir} can export its checkpoint {checkpoint.name} "
+                         f"(asked: {asked}; installed exporters: "
+                         f"{', '.join(plugins.providers('export_model')) or 'none'})")
+    if len(exported) > 1:
+        raise PluginError(f"plugins {', '.join(exported)} all exported {checkpoint} to {out}; "
+                          f"disable all but one with -p no:NAME")
+    (name, where), = exported.items()
+    print(f"{where}  ({'merged' if args.merged else 'exported'} by plugin {name} from {checkpoint})")
+    return 0
 
 
 def cmd_plot(args) -> int:

@@ -1,4 +1,4 @@
-"""Named components (estimators, policy losses, aggregators, stores) that plugins register."""
+"""Named components (estimators, policy losses, aggregators, stores, actor transforms) that plugins register."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ REGISTRATION_HOOKS = {
     "policy_loss": "register_policy_losses",
     "aggregator": "register_aggregators",
     "store": "register_stores",
+    "actor_transform": "register_actor_transforms",
 }
 
 

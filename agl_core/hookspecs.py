@@ -125,6 +125,26 @@ def register_stores(register: Callable[..., None]) -> None:
     """
 
 
+@broadcast
+def register_actor_transforms(register: Callable[..., None]) -> None:
+    """Register transforms of the actor model (adapters, quantization, …) by name.
+
+    Kind: broadcast, called once when the plugin set is built.
+    Call ``register(name, fn, order=100)``; ``fn(actor, ctx) -> actor``
+    receives the actor as a backend that builds it in its own process (the
+    embedded backend, agl-plugin-torch) has just made or loaded it from the
+    initial weights, and returns the model to train: the same object changed
+    in place, or another one. The backend applies every registered transform,
+    by ascending ``order`` then name, before it loads a checkpoint into the
+    actor and before it makes the actor's optimizer, which is built over the
+    parameters that still require a gradient. So a transform never depends on
+    the order of other hooks, and a resumed run transforms its actor exactly as
+    the run that saved the checkpoint did. A backend that builds its actor
+    elsewhere (verl's workers) does not call them; a plugin that needs one
+    there checks it in ``on_train_start``.
+    """
+
+
 # --------------------------------------------------------------------------
 # Training lifecycle
 # --------------------------------------------------------------------------
@@ -299,4 +319,31 @@ def log_metrics(ctx: TrainContext, metrics: dict[str, Any], step: int) -> None:
 
     Kind: broadcast. Called once per step and once after the validation
     before training (step 0).
+    """
+
+
+# --------------------------------------------------------------------------
+# After training
+# --------------------------------------------------------------------------
+
+
+@broadcast
+def export_model(ctx: TrainContext, path: str, out: str, merged: bool) -> str | None:
+    """Write the policy of the checkpoint directory ``path`` as a model others can load; return where.
+
+    Kind: broadcast, called by ``agl export RUN_DIR`` (never during training)
+    on the plugins the run's recipe (``RUN_DIR/config.yaml``) activates.
+    ``ctx`` is a context of that recipe and run directory with no step
+    state and no resolved slots; ``path`` is the checkpoint (the run's
+    latest one unless the command names one); ``out`` is a directory that
+    does not exist yet or is empty. With ``merged`` the result must load on
+    its own (a Hugging Face model directory: ``AutoModelForCausalLM.
+    from_pretrained(out)``), e.g. an adapter folded into its base weights;
+    without it a plugin may write its own format (the adapter alone).
+
+    Each plugin recognises the checkpoints it can export from their files and
+    returns ``out`` after writing them; for any other checkpoint it writes
+    nothing and returns ``None``. Exactly one plugin must export: none is an
+    error naming the run directory and the plugins asked, several an error
+    naming them.
     """

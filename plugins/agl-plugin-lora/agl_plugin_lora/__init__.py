@@ -6,9 +6,9 @@ disabled. Modules, one idea each:
 
 - ``settings``: the recipe section ``plugins.lora``
 - ``adapter``: putting a LoRA adapter on a transformers model, and switching it off
-- ``embedded``: the embedded backend (agl-plugin-torch): its actor adapted, its optimizer over the adapter
+- ``embedded``: the embedded backend (agl-plugin-torch): the actor transform that adapts it, the reference pass
 - ``startup``: the start-up check that the reference slot is this plugin's
-- ``export``: a checkpoint's adapter merged into a plain Hugging Face model
+- ``export``: a checkpoint's adapter, alone or merged into a plain Hugging Face model (``agl export``)
 - ``plugin``: the hook implementations
 """
 

@@ -63,7 +63,3 @@ def adapter_disabled(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
         yield model
     finally:
         model.enable_adapters()
-
-
-def trainable_parameters(model: PreTrainedModel) -> list:
-    return [p for p in model.parameters() if p.requires_grad]

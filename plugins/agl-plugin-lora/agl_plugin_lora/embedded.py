@@ -1,41 +1,42 @@
-"""LoRA on the embedded backend (agl-plugin-torch): its actor adapted in place, its optimizer over the adapter.
+"""LoRA on the embedded backend (agl-plugin-torch): an actor transform, and the reference as the base model.
 
-The torch backend keeps its state in ``ctx.state["torch"]`` and makes it on
-first use. The adapter is put on its actor before anything trains or loads
-weights into it: in ``load_checkpoint`` when a run resumes (the backend's
-checkpoint then holds an adapter, which only an adapted actor can take) and
-in ``on_train_start`` otherwise. Because the actor stays the same object, the
-policy endpoint serves the adapted weights and the backend's own checkpoints
-save the adapter, with no change to the backend.
+The torch backend applies the ``actor_transform`` components of the active
+plugins when it makes its actor (:func:`agl_plugin_torch.backend.create`):
+right after loading the initial weights, before a checkpoint is loaded into
+it, before the endpoint serves it and before its optimizer is made. This
+plugin's transform puts the adapter on the actor there, so a resumed run's
+actor takes the checkpoint's adapter whatever the order of the plugins'
+hooks, and the backend's optimizer is only ever built over the adapter.
+Because the actor stays the same object of the same class, the policy
+endpoint serves the adapted weights and the backend's own checkpoints save
+the adapter, with no LoRA code in the backend.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
+from transformers import PreTrainedModel
 
 from agl_core.data import Batch
 
 from agl_plugin_torch.backend import Backend
-from agl_plugin_torch.training import make_optimizer
 
-from agl_plugin_lora.adapter import adapter_disabled, add_adapter, has_adapter, trainable_parameters
-from agl_plugin_lora.settings import LoraSettings
+from agl_plugin_lora.adapter import adapter_disabled, add_adapter
+from agl_plugin_lora.startup import NAME, check_reference_slot
+
+log = logging.getLogger("agl_plugin_lora")
 
 
-def adapt(backend: Backend, settings: LoraSettings) -> bool:
-    """Put the adapter on the backend's actor and train only the adapter; False when it was already there.
-
-    The backend made its optimizer over every weight of the actor; it is
-    replaced by one over the adapter's weights, with the same settings, before
-    any step was taken (so there is no optimizer state to carry over).
-    """
-    if has_adapter(backend.actor):
-        return False
-    with backend.lock:  # the engine may be generating with the actor
-        add_adapter(backend.actor, settings)
-    backend.actor_optim, backend.actor_sched = make_optimizer(trainable_parameters(backend.actor),
-                                                              backend.config.actor)
-    return True
+def adapt_actor(actor: PreTrainedModel, ctx) -> PreTrainedModel:
+    """The ``lora`` actor transform: check the reference slot, then put the recipe's adapter on ``actor``."""
+    check_reference_slot(ctx)
+    add_adapter(actor, ctx.plugin_config(NAME))
+    trainable = sum(p.numel() for p in actor.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in actor.parameters())
+    log.info("LoRA on the actor: %.3fM of %.2fM parameters train", trainable / 1e6, total / 1e6)
+    return actor
 
 
 def reference_logprobs(backend: Backend, batch: Batch) -> torch.Tensor:

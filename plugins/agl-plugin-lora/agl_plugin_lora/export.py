@@ -1,72 +1,79 @@
-"""Export: a checkpoint's adapter merged into its base model, written as a plain Hugging Face model.
+"""Export: a checkpoint's adapter, alone or merged into its base model as a plain Hugging Face model.
 
 The embedded backend writes the adapted actor of a checkpoint as
 ``<checkpoint>/actor``: the adapter (``adapter_config.json``, whose
 ``base_model_name_or_path`` is the local base model) and the tokenizer.
-Merging folds ``(alpha / rank) * B @ A`` into each adapted weight, so the
+Merging folds ``(alpha / rank) * B @ A`` into each adapted weight and puts the
+trained copies of ``modules_to_save`` in place of the originals, so the
 result loads with ``AutoModelForCausalLM.from_pretrained`` without peft.
 
-Command line: ``agl-lora-merge RUN_DIR_OR_CHECKPOINT --merged OUT`` (what
-``agl export RUN_DIR --merged OUT`` should call).
+Command line: ``agl export RUN_DIR --merged OUT`` (the core's command; this
+plugin answers its ``export_model`` hook for checkpoints that hold an adapter).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
 
+import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
-
-from agl_core.checkpoint import latest_checkpoint
-
-from agl_plugin_torch.backend import ACTOR_DIR
 
 from agl_plugin_lora.adapter import ADAPTER_CONFIG
 
 ADAPTER_FILES = (ADAPTER_CONFIG, "adapter_model.safetensors", "adapter_model.bin")
 
 
-def adapter_dir(path: Path) -> Path:
-    """The adapter directory of a run directory (its latest checkpoint), a checkpoint, or an adapter directory."""
-    path = Path(path)
-    if (path / ADAPTER_CONFIG).is_file():
-        return path
-    if (path / ACTOR_DIR / ADAPTER_CONFIG).is_file():
-        return path / ACTOR_DIR
-    checkpoint = latest_checkpoint(path)
-    if checkpoint is not None and (checkpoint / ACTOR_DIR / ADAPTER_CONFIG).is_file():
-        return checkpoint / ACTOR_DIR
-    raise FileNotFoundError(f"no LoRA adapter at {path}: expected a run directory with checkpoints, a checkpoint "
-                            f"directory, or a directory with {ADAPTER_CONFIG}")
+def is_adapter_dir(path: Path) -> bool:
+    return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
-def merge(path: Path, out: Path) -> Path:
-    """Write the base model with the adapter of ``path`` merged in, and the tokenizer, to ``out``."""
-    source = adapter_dir(path)
-    base_path = json.loads((source / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
+def copy_adapter(adapter: Path, out: Path) -> Path:
+    """The adapter directory (adapter, its config, the tokenizer) copied to ``out``."""
+    _require_adapter(adapter)
+    shutil.copytree(adapter, out, dirs_exist_ok=True)
+    return out
+
+
+def merge(adapter: Path, out: Path) -> Path:
+    """Write the base model with the adapter of the directory ``adapter`` merged in, and the tokenizer, to ``out``."""
+    adapter, out = Path(adapter), Path(out)
+    _require_adapter(adapter)
+    base_path = json.loads((adapter / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
     base = AutoModelForCausalLM.from_pretrained(base_path, local_files_only=True)
-    merged = PeftModel.from_pretrained(base, source, local_files_only=True).merge_and_unload()
+    merged = PeftModel.from_pretrained(base, adapter, local_files_only=True).merge_and_unload()
+    untie_if_trained_apart(merged)
     out.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(out)
     # The tokenizer files are copied, not re-saved: a word tokenizer of a qwen2 model would be replaced by
     # Qwen2's if it went through AutoTokenizer.
-    for file in source.iterdir():
+    for file in adapter.iterdir():
         if file.is_file() and file.name not in ADAPTER_FILES and not (out / file.name).exists():
             shutil.copy2(file, out / file.name)
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="agl-lora-merge", description=__doc__.splitlines()[0])
-    parser.add_argument("path", type=Path, help="run directory (latest checkpoint), checkpoint, or adapter directory")
-    parser.add_argument("--merged", type=Path, required=True, help="directory to write the merged model to")
-    args = parser.parse_args(argv)
-    print(merge(args.path, args.merged))
-    return 0
+def untie_if_trained_apart(model) -> None:
+    """Record untied embeddings when the input embedding and the output head no longer hold the same weights.
+
+    With tied embeddings, a trained copy of ``embed_tokens`` or ``lm_head``
+    (``modules_to_save``) leaves the other one as it was: saved as tied, the
+    merged model would read one matrix for both and compute something else.
+    """
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if not getattr(model.config, "tie_word_embeddings", False) or outputs is None:
+        return
+    if inputs.weight is outputs.weight or torch.equal(inputs.weight, outputs.weight):
+        return
+    outputs.weight = torch.nn.Parameter(outputs.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+    text_config = getattr(model.config, "get_text_config", lambda: None)()
+    if text_config is not None:
+        text_config.tie_word_embeddings = False
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def _require_adapter(path: Path) -> None:
+    if not is_adapter_dir(path):
+        raise FileNotFoundError(f"no LoRA adapter at {path}: expected a directory with {ADAPTER_CONFIG}")

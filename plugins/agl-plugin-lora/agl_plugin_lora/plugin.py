@@ -1,17 +1,18 @@
 """The hook implementations of the ``lora`` plugin.
 
-The plugin adapts the actor of the active backend and fills the reference
-slot. Only the embedded backend (``torch``) is supported so far.
+The plugin registers an actor transform that puts the adapter on the actor
+of the embedded backend (``torch``), fills the reference slot, and exports
+checkpoints that hold an adapter. Only the embedded backend is supported so
+far.
 
-Ordering: on resume the adapter must be on the actor before the backend loads
-its checkpoint into it. Broadcast hooks run in registration order, which for
-installed plugins is the order of their entry-point names, so ``lora`` comes
-before ``torch``.
+No hook here depends on the order in which plugins are registered: the
+backend applies the transform when it makes its actor, before it loads a
+checkpoint into it, whichever of ``load_checkpoint`` and ``on_train_start``
+makes it first.
 """
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from agl_core import HOOK_API_VERSION, hookimpl
@@ -21,27 +22,23 @@ from agl_plugin_torch.backend import ACTOR_DIR, Backend
 from agl_plugin_torch.backend import NAME as TORCH
 from agl_plugin_torch.plugin import backend_of
 
-from agl_plugin_lora import embedded
-from agl_plugin_lora.adapter import ADAPTER_CONFIG
+from agl_plugin_lora import embedded, export
+from agl_plugin_lora.adapter import has_adapter
 from agl_plugin_lora.settings import LoraSettings
-from agl_plugin_lora.startup import NAME, check_reference_slot
-
-log = logging.getLogger("agl_plugin_lora")
+from agl_plugin_lora.startup import NAME
 
 
 def adapted_backend(ctx) -> Backend:
-    """The embedded backend of the run with the adapter on its actor (checked and adapted on first call)."""
+    """The embedded backend of the run, whose actor carries the adapter; a clear error otherwise."""
     plugin = ctx.plugins.plugins.get(TORCH)
     if plugin is None or plugin.status != "active":
         active = ", ".join(p.name for p in ctx.plugins.active()) or "none"
         raise PluginError(f"plugin {NAME!r} adapts the embedded backend's actor, but plugin {TORCH!r} is not "
                           f"active (active plugins: {active}); enable it with plugins: [{TORCH}, {NAME}]")
     backend = backend_of(ctx)
-    if embedded.adapt(backend, ctx.plugin_config(NAME)):
-        check_reference_slot(ctx)
-        trainable = sum(p.numel() for p in backend.actor.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in backend.actor.parameters())
-        log.info("LoRA on the actor: %.3fM of %.2fM parameters train", trainable / 1e6, total / 1e6)
+    if not has_adapter(backend.actor):
+        raise PluginError(f"plugin {NAME!r} is active but the actor of plugin {TORCH!r} has no LoRA adapter: "
+                          f"that agl-plugin-torch does not apply the actor_transform components of other plugins")
     return backend
 
 
@@ -53,16 +50,20 @@ class LoraPlugin:
         return LoraSettings
 
     @hookimpl
+    def register_actor_transforms(self, register):
+        """The adapter goes on the actor when the backend makes it (see :mod:`agl_plugin_lora.embedded`)."""
+        register(NAME, embedded.adapt_actor)
+
+    @hookimpl
     def load_checkpoint(self, ctx, path):
-        """Adapt the actor before the backend loads the checkpoint's adapter into it."""
-        if not (Path(path) / ACTOR_DIR / ADAPTER_CONFIG).is_file():
+        """Refuse a checkpoint that holds a fully fine-tuned actor (there is no adapter to resume)."""
+        if not export.is_adapter_dir(Path(path) / ACTOR_DIR):
             raise PluginError(f"the checkpoint {path} holds a fully fine-tuned actor, not a LoRA adapter; "
                               f"resume it without plugin {NAME!r}, or start a new run")
-        adapted_backend(ctx)
 
     @hookimpl
     def on_train_start(self, ctx):
-        """Adapt the actor (the endpoint then serves the adapted weights) and check the reference slot."""
+        """Check that the backend's actor, which the endpoint serves, carries the adapter."""
         adapted_backend(ctx)
 
     @hookimpl
@@ -70,6 +71,14 @@ class LoraPlugin:
         """``ref_log_prob``: the actor's log-probs with its adapter disabled, i.e. the base model's."""
         batch["ref_log_prob"] = embedded.reference_logprobs(adapted_backend(ctx), batch)
         return batch
+
+    @hookimpl
+    def export_model(self, path, out, merged):
+        """A checkpoint that holds an adapter: merged into its base model, or the adapter alone."""
+        adapter = Path(path) / ACTOR_DIR
+        if not export.is_adapter_dir(adapter):
+            return None
+        return str((export.merge if merged else export.copy_adapter)(adapter, Path(out)))
 
 
 plugin = LoraPlugin()

@@ -5,12 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agl_plugin_torch.backend import create
-from agl_plugin_torch.settings import TorchConfig
-
-from agl_plugin_lora.embedded import adapt
 from agl_plugin_lora.settings import LoraSettings
-from lora_testkit import tiny_section
+from lora_testkit import adapted_backend
 
 
 @pytest.fixture(autouse=True)
@@ -24,7 +20,6 @@ def _threads():
 @pytest.fixture
 def backend(tmp_path):
     """A torch backend (not serving) whose actor carries a rank-4 adapter on every linear layer."""
-    made = create(TorchConfig.model_validate(tiny_section()), tmp_path, seed=0, with_critic=False)
-    assert adapt(made, LoraSettings(rank=4, alpha=8))
+    made = adapted_backend(tmp_path, LoraSettings(rank=4, alpha=8))
     yield made
     made.stop_serving()

@@ -1,6 +1,8 @@
-"""Helpers of the LoRA plugin's tests: a tiny model's recipe section, sampled training rows, a PPO update."""
+"""Helpers of the LoRA plugin's tests: a tiny model's recipe section, an adapted backend, sampled rows, a PPO update."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -9,7 +11,12 @@ from agl_core.algorithms.losses import ppo_clip_loss
 from agl_core.config import AlgorithmConfig
 from agl_core.data import Batch
 
+from agl_plugin_torch.backend import Backend, create
 from agl_plugin_torch.sampling import SamplingParams, generate, left_pad, position_ids_of
+from agl_plugin_torch.settings import TorchConfig
+
+from agl_plugin_lora.embedded import adapt_actor
+from agl_plugin_lora.settings import LoraSettings
 
 VOCABULARY = [str(i) for i in range(10)] + ["guess", "a", "number", "higher", "lower", "hello", "world", ","]
 
@@ -21,6 +28,13 @@ def tiny_section(**overrides) -> dict:
                "actor": {"lr": 0.05, "weight_decay": 0.0}, "num_threads": 1}
     section.update(overrides)
     return section
+
+
+def adapted_backend(tmp_path, settings: LoraSettings, **section) -> Backend:
+    """A torch backend (not serving) made with the plugin's actor transform, as a run with ``plugins.lora`` is."""
+    ctx = SimpleNamespace(slots={}, plugin_config=lambda name: settings)  # no KL term: no reference slot to check
+    return create(TorchConfig.model_validate(tiny_section(**section)), tmp_path, seed=0, with_critic=False,
+                  transforms=[lambda actor: adapt_actor(actor, ctx)])
 
 
 def sampled_rows(backend, n=8, seed=0, width=6) -> Batch:

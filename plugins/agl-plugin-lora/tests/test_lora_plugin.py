@@ -12,6 +12,7 @@ from agl_core.plugins import PluginError
 from agl_core.testing import check_plugin
 
 from agl_plugin_lora import plugin
+from agl_plugin_lora.embedded import adapt_actor
 from agl_plugin_lora.export import merge
 from agl_plugin_lora.plugin import adapted_backend
 from agl_plugin_lora.settings import LoraSettings
@@ -19,8 +20,15 @@ from agl_plugin_lora.startup import check_reference_slot
 
 
 def test_the_plugin_passes_the_contract_check():
-    assert check_plugin(plugin, "lora").hooks == ["compute_ref_logprob", "load_checkpoint", "on_train_start",
-                                                  "plugin_config_schema"]
+    assert check_plugin(plugin, "lora").hooks == ["compute_ref_logprob", "export_model", "load_checkpoint",
+                                                  "on_train_start", "plugin_config_schema",
+                                                  "register_actor_transforms"]
+
+
+def test_the_plugin_registers_its_actor_transform():
+    registered = []
+    plugin.register_actor_transforms(register=lambda name, fn, **options: registered.append((name, fn, options)))
+    assert registered == [("lora", adapt_actor, {})]
 
 
 def test_the_recipe_section():
@@ -64,3 +72,20 @@ def test_a_fully_fine_tuned_checkpoint_is_not_resumed_with_lora(tmp_path):
 def test_export_says_where_it_looked_for_an_adapter(tmp_path):
     with pytest.raises(FileNotFoundError, match=f"no LoRA adapter at {tmp_path}"):
         merge(tmp_path, tmp_path / "out")
+
+
+def test_a_checkpoint_without_an_adapter_is_left_to_another_exporter(tmp_path):
+    (tmp_path / "actor").mkdir()
+    (tmp_path / "actor" / "model.safetensors").write_bytes(b"")
+    assert plugin.export_model(path=str(tmp_path), out=str(tmp_path / "out"), merged=True) is None
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_actor_the_backend_did_not_adapt_is_a_clear_error():
+    from agl_plugin_torch.backend import NAME as TORCH
+
+    actor = SimpleNamespace(_hf_peft_config_loaded=False)
+    ctx = SimpleNamespace(plugins=SimpleNamespace(plugins={TORCH: SimpleNamespace(status="active")}),
+                          state={TORCH: SimpleNamespace(actor=actor)})
+    with pytest.raises(PluginError, match="has no LoRA adapter.*actor_transform"):
+        adapted_backend(ctx)

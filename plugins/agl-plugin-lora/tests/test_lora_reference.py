@@ -9,12 +9,10 @@ from __future__ import annotations
 import torch
 
 from agl_plugin_torch import modeling, training
-from agl_plugin_torch.backend import create
-from agl_plugin_torch.settings import TorchConfig
 
-from agl_plugin_lora.embedded import adapt, reference_logprobs
+from agl_plugin_lora.embedded import reference_logprobs
 from agl_plugin_lora.settings import LoraSettings
-from lora_testkit import algorithm, policy_loss, sampled_rows, tiny_section
+from lora_testkit import adapted_backend, algorithm, policy_loss, sampled_rows
 
 
 def base_copy(backend):
@@ -36,8 +34,7 @@ def test_reference_logprobs_equal_a_separate_base_model_before_and_after_trainin
 
 
 def test_trained_copies_of_modules_to_save_are_off_for_the_reference(tmp_path):
-    made = create(TorchConfig.model_validate(tiny_section()), tmp_path, seed=0, with_critic=False)
-    assert adapt(made, LoraSettings(rank=4, alpha=8, modules_to_save=["norm"]))
+    made = adapted_backend(tmp_path, LoraSettings(rank=4, alpha=8, modules_to_save=["norm"]))
     copies = [name for name, p in made.actor.named_parameters() if p.requires_grad and "lora_" not in name]
     assert len(copies) == 5 and all(".modules_to_save.default." in name for name in copies)  # 2 per layer + final
     check_reference_through_training(made)
@@ -62,6 +59,7 @@ def check_reference_through_training(backend):
 
 
 def test_only_the_adapter_trains(backend):
+    """The backend's optimizer is made after the transform: over the adapter only, never over every weight."""
     before = {name: p.detach().clone() for name, p in backend.actor.named_parameters()}
     optimized = {id(p) for group in backend.actor_optim.param_groups for p in group["params"]}
     adapter = {id(p) for name, p in backend.actor.named_parameters() if "lora_" in name}
@@ -74,9 +72,7 @@ def test_only_the_adapter_trains(backend):
 
 
 def test_target_modules_choose_the_adapted_layers(tmp_path):
-    made = create(TorchConfig.model_validate(tiny_section()), tmp_path, seed=0, with_critic=False)
-    assert adapt(made, LoraSettings(rank=2, target_modules=["q_proj", "v_proj"]))
-    assert not adapt(made, LoraSettings(rank=2))  # already adapted: nothing changes
+    made = adapted_backend(tmp_path, LoraSettings(rank=2, target_modules=["q_proj", "v_proj"]))
     adapted = {name.split(".")[-4] for name, _ in made.actor.named_parameters() if "lora_A" in name}
     assert adapted == {"q_proj", "v_proj"}
     assert sum(p.requires_grad for p in made.actor.parameters()) == 2 * 2 * 2  # layers x modules x (A, B)

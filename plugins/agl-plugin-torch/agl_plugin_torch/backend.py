@@ -2,13 +2,18 @@
 
 It lives in ``ctx.state["torch"]`` and is made on first use, which is
 ``load_checkpoint`` when a run resumes and ``on_train_start`` otherwise.
+:func:`create` is where other plugins' ``actor_transform`` components change
+the actor (an adapter, …), before any weights are loaded into it and before
+its optimizer is made.
 """
 
 from __future__ import annotations
 
+import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -141,7 +146,12 @@ class Backend:
     def load(self, path: Path) -> None:
         actor = modeling.load(path / ACTOR_DIR, self.config.model)[0]
         with self.lock:
-            self.actor.load_state_dict(actor.state_dict())
+            missing, unexpected = self.actor.load_state_dict(actor.state_dict(), strict=False)
+        if missing or unexpected:
+            raise RuntimeError(f"the actor of checkpoint {path} does not fit this run's actor "
+                               f"({len(missing)} weights missing, e.g. {missing[:2]}; {len(unexpected)} unexpected, "
+                               f"e.g. {unexpected[:2]}): was it saved with other actor transforms "
+                               f"(e.g. a LoRA adapter) than this run applies?")
         state = torch.load(path / STATE_FILE, weights_only=False, map_location="cpu")
         self.actor_optim.load_state_dict(state["actor_optim"])
         self.actor_sched.load_state_dict(state["actor_sched"])
@@ -155,21 +165,67 @@ class Backend:
         self.set_weight_version(state["weight_version"])
 
 
-def create(config: TorchConfig, run_dir: Path, seed: int, with_critic: bool) -> Backend:
-    """Make or load the model, its optimizer and (when the estimator needs one) the critic."""
+ActorTransform = Callable[[PreTrainedModel], PreTrainedModel]
+"""A transform of the freshly loaded actor: the model to train, the same object changed or another one."""
+
+
+def create(config: TorchConfig, run_dir: Path, seed: int, with_critic: bool,
+           transforms: Sequence[ActorTransform] = ()) -> Backend:
+    """Make or load the model, transform the actor, make its optimizer and (when the estimator needs one) the critic.
+
+    This is the actor transform point: ``transforms`` (the ``actor_transform``
+    components of the active plugins, see :func:`agl_plugin_torch.plugin.actor_transforms`)
+    are applied in order to the actor loaded from the initial weights, before
+    anything else sees it: before a checkpoint is loaded into it, before the
+    endpoint serves it, and before its optimizer is made. The optimizer is
+    built over the parameters that require a gradient afterwards, so a
+    transform that freezes weights (an adapter) never gets an optimizer over
+    every weight. The critic is a copy of the backbone as loaded, before the
+    transforms.
+    """
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     hf_logging.disable_progress_bar()  # bars for loading and saving small models are noise in the training log
     source = modeling.create(config.model, run_dir / "model", seed)
     actor, tokenizer = modeling.load(source, config.model)
-    actor_optim, actor_sched = make_optimizer(actor.parameters(), config.actor)
+    critic = modeling.ValueModel(actor) if with_critic else None
+    for transform in transforms:
+        actor = transform(actor)
+    actor_optim, actor_sched = make_optimizer(trainable(actor), config.actor)
     device = _device(actor)
     generator = torch.Generator(device=device).manual_seed(seed)
     backend = Backend(config, source, actor, tokenizer, actor_optim, actor_sched, generator)
-    if with_critic:
-        backend.critic = modeling.ValueModel(actor)
+    if critic is not None:
+        backend.critic = critic
         backend.critic_optim, backend.critic_sched = make_optimizer(backend.critic.parameters(), config.critic)
     return backend
+
+
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters of ``model`` that require a gradient: what its optimizer updates."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise RuntimeError(f"no parameter of the actor ({type(model).__name__}) requires a gradient; "
+                           f"an actor transform froze every weight")
+    return params
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+"""The files of a whole model's weights in a Hugging Face directory (one of them)."""
+
+
+def export_actor(checkpoint: Path, out: Path) -> Path | None:
+    """Copy the actor of ``checkpoint`` (a whole model: config, weights, tokenizer) to ``out``; None if it is not one.
+
+    A fully fine-tuned actor is already a plain Hugging Face model, merged or
+    not. An actor saved as something else (an adapter without base weights)
+    is another plugin's to export.
+    """
+    actor = checkpoint / ACTOR_DIR
+    if not (actor / "config.json").is_file() or not any((actor / name).is_file() for name in WEIGHT_FILES):
+        return None
+    shutil.copytree(actor, out, dirs_exist_ok=True)
+    return out
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:

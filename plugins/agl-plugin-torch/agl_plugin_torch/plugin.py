@@ -7,13 +7,14 @@ OpenAI-compatible server over the actor's current weights.
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
 from agl_core import HOOK_API_VERSION, hookimpl
 
 from agl_plugin_torch import training
-from agl_plugin_torch.backend import NAME, Backend, create, on_device
+from agl_plugin_torch.backend import NAME, ActorTransform, Backend, create, export_actor, on_device
 from agl_plugin_torch.settings import TorchConfig
 
 log = logging.getLogger("agl_plugin_torch")
@@ -21,12 +22,37 @@ log = logging.getLogger("agl_plugin_torch")
 ROW_INPUTS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask"]
 
 
+TRANSFORM_KIND = "actor_transform"
+DEFAULT_TRANSFORM_ORDER = 100
+
+
+def actor_transforms(ctx) -> list[ActorTransform]:
+    """The ``actor_transform`` components of the active plugins, bound to ``ctx``, by ``order`` then name.
+
+    A plugin registers one with the ``register_actor_transforms`` hook:
+    ``register(name, fn, order=100)``, ``fn(actor, ctx) -> actor``.
+    """
+    components = [ctx.components.get(TRANSFORM_KIND, name) for name in ctx.components.names(TRANSFORM_KIND)]
+    components.sort(key=lambda c: (c.options.get("order", DEFAULT_TRANSFORM_ORDER), c.name))
+    return [functools.partial(_apply, c, ctx) for c in components]
+
+
+def _apply(component, ctx, actor):
+    log.info("actor transform %r (plugin %s)", component.name, component.plugin)
+    return component.obj(actor=actor, ctx=ctx)
+
+
 def backend_of(ctx) -> Backend:
-    """The run's backend, made on first use (``load_checkpoint`` comes before ``on_train_start``)."""
+    """The run's backend, made on first use (``load_checkpoint`` comes before ``on_train_start``).
+
+    The actor transforms other plugins registered are applied when it is made,
+    so they never depend on the order in which plugins' hooks run.
+    """
     if NAME not in ctx.state:
         estimator = ctx.components.get("estimator", ctx.config.algorithm.estimator)
         ctx.state[NAME] = create(ctx.plugin_config(NAME), ctx.run_dir, ctx.config.trainer.seed,
-                                 with_critic=estimator.options.get("needs_critic", False))
+                                 with_critic=estimator.options.get("needs_critic", False),
+                                 transforms=actor_transforms(ctx))
     return ctx.state[NAME]
 
 
@@ -115,6 +141,12 @@ class TorchBackend:
     @hookimpl
     def load_checkpoint(self, ctx, path):
         backend_of(ctx).load(Path(path))
+
+    @hookimpl
+    def export_model(self, path, out):
+        """A fully fine-tuned actor is a plain Hugging Face model: its directory is copied (merged or not)."""
+        exported = export_actor(Path(path), Path(out))
+        return None if exported is None else str(exported)
 
 
 def rollout_logprob_diff(log_probs, rollout_log_probs, response_mask) -> dict[str, float]:
