@@ -139,6 +139,10 @@ class RolloutConfig(Section):
                                                    "requeued only when its worker is lost (lease expired)")
     lease_s: float = Field(30.0, gt=0, description="a running attempt not renewed for this long is lost")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    seed_calls: bool = Field(True, description="give every model call that sets no seed its own, derived from "
+                                               "trainer.seed and the call's place (mode, step, task, sample, "
+                                               "attempt, call): samples then do not depend on how concurrent calls "
+                                               "were batched, and a resumed run repeats an uninterrupted one")
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
 
 

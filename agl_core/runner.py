@@ -154,12 +154,14 @@ class LocalRunner:
             progress: bool = False, id_prefix: str = "rollout") -> RunResult:
         """Run ``samples`` rollouts of each task; return them all once each has ended (in any status).
 
-        ``metadata`` is stored with every rollout (the agent name is added).
+        ``metadata`` is stored with every rollout (the agent name, the task id
+        and the sample index are added).
         Never waits past every attempt's timeout: a rollout that cannot end
         by itself is ended by the supervisor.
         """
         metadata = {"agent_name": self.agent_name, **(metadata or {})}
-        new = [NewRollout(f"{id_prefix}-{uuid.uuid4().hex[:12]}", task, sample, self.max_attempts, metadata)
+        new = [NewRollout(f"{id_prefix}-{uuid.uuid4().hex[:12]}", task, sample, self.max_attempts,
+                          {**metadata, "task_id": task.id, "sample_index": sample})
                for task in tasks for sample in range(samples)]
         ids = [r.rollout_id for r in new]
         self.store.enqueue(new)

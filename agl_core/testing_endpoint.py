@@ -80,6 +80,7 @@ class TestEndpoint:
         self.fail_next: deque[int] = deque()
         self.requests: deque[dict[str, Any]] = deque(maxlen=1000)
         self.calls = 0
+        self.weight_version: int | None = None  # reported in answers when set, as the embedded backend does
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -159,10 +160,13 @@ class TestEndpoint:
     def _envelope(self, kind: str, body: dict[str, Any], choices: list[dict[str, Any]],
                   n_prompt: int, n_response: int) -> dict[str, Any]:
         n_completion = n_response * len(choices)
-        return {"id": f"cmpl-{self.calls}", "object": kind, "created": int(time.time()),
-                "model": body.get("model", "test"), "choices": choices,
-                "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
-                          "total_tokens": n_prompt + n_completion}}
+        envelope = {"id": f"cmpl-{self.calls}", "object": kind, "created": int(time.time()),
+                    "model": body.get("model", "test"), "choices": choices,
+                    "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
+                              "total_tokens": n_prompt + n_completion}}
+        if self.weight_version is not None:
+            envelope["weight_version"] = self.weight_version
+        return envelope
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": "test", "object": "model"}]})

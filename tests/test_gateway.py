@@ -15,6 +15,7 @@ from agl_core.config import GatewayConfig
 from agl_core.data import Task
 from agl_core.gateway import Gateway
 from agl_core.gateway.upstream import Upstreams
+from agl_core.gateway.server import call_seed
 from agl_core.http_server import ServerThread
 from agl_core.store import NewRollout
 from agl_core.testing_endpoint import ByteTokenizer, TestEndpoint, response_logprob
@@ -44,9 +45,9 @@ def store():
 def serve():
     servers = []
 
-    def start(store, upstreams, **config):
+    def start(store, upstreams, seed=None, **config):
         gateway = Gateway(store, GatewayConfig(**{"retry_backoff_s": 0.01, **config}),
-                          sampling={"temperature": 0.7, "max_tokens": 64}, upstreams=upstreams)
+                          sampling={"temperature": 0.7, "max_tokens": 64}, upstreams=upstreams, seed=seed)
         servers.append(gateway.serve())
         return gateway, servers[-1]
 
@@ -266,3 +267,38 @@ def test_a_call_in_flight_when_its_rollout_is_consumed_is_answered_not_recorded(
     call.join(10)
     assert answers[0].choices[0].message.content == "echo: slow"
     assert store._entries == {}
+
+
+def test_a_call_without_a_seed_gets_one_from_its_place_in_the_run(endpoint, store, serve):
+    _, server = serve(store, [endpoint.url], seed=3)
+    messages = [{"role": "user", "content": "hi"}]
+    for _ in range(2):
+        client(server).chat.completions.create(model="policy", messages=messages)
+    client(server).chat.completions.create(model="policy", messages=messages, seed=11)
+    sent = [request.get("seed") for request in list(endpoint.requests)[-3:]]
+    metadata = {"agent_name": "echoer"}  # no place keys: the rollout id stands for the place
+    assert sent == [call_seed(3, metadata, "r1", "1", 0), call_seed(3, metadata, "r1", "1", 1), 11]
+    assert sent[0] != sent[1]
+    assert "seed" not in spans(store)[0].attributes["request"]  # the agent's own request is recorded as sent
+
+
+def test_without_a_run_seed_calls_go_unseeded(endpoint, store, serve):
+    _, server = serve(store, [endpoint.url])
+    client(server).chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    assert "seed" not in endpoint.requests[-1]
+
+
+def test_a_call_seed_depends_on_the_place_not_on_the_rollout_id():
+    place = {"mode": "train", "step": 3, "task_id": "a", "sample_index": 1, "agent_name": "x"}
+    assert call_seed(1, place, "train-3-0f0f", "1", 2) == call_seed(1, place, "train-3-a1a1", "1", 2)
+    others = [call_seed(2, place, "r", "1", 2), call_seed(1, place, "r", "2", 2), call_seed(1, place, "r", "1", 3),
+              call_seed(1, {**place, "step": 4}, "r", "1", 2), call_seed(1, {**place, "sample_index": 0}, "r", "1", 2)]
+    assert len({call_seed(1, place, "r", "1", 2), *others}) == 6
+    assert all(0 <= seed < 2**63 for seed in others)
+
+
+def test_the_weight_version_the_policy_server_reports_is_recorded(endpoint, store, serve):
+    gateway, server = serve(store, [endpoint.url])
+    gateway.weight_version, endpoint.weight_version = 9, 4
+    client(server).chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    assert spans(store)[0].attributes["weight_version"] == 4

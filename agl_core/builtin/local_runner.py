@@ -61,7 +61,7 @@ def start_runtime(ctx) -> LocalRuntime:
     if sampling["max_tokens"] is None:
         sampling["max_tokens"] = ctx.config.data.max_response_length
     try:
-        gateway = Gateway(store, cfg.gateway, sampling)
+        gateway = Gateway(store, cfg.gateway, sampling, seed=ctx.config.trainer.seed if cfg.seed_calls else None)
         server = gateway.serve()
     except BaseException:
         store.close()
@@ -95,7 +95,9 @@ def collect_rollouts(ctx, tasks, mode):
         raise PluginError(f"the policy_endpoints slot (plugin {owner!r}) returned no server URL: "
                           "the agents would have no model to call")
     rt.gateway.upstreams.set(urls)
-    rt.gateway.weight_version = ctx.step
+    # The weights of step s's rollouts have had s - 1 updates; validation after step s sees s. Spans
+    # record the version the policy server reports instead when it reports one.
+    rt.gateway.weight_version = ctx.step - 1 if mode == "train" else ctx.step
     samples = ctx.config.rollout.n if mode == "train" else 1
     result = rt.runner.run(tasks, samples, metadata={"mode": mode, "step": ctx.step},
                            progress=ctx.config.trainer.progress, id_prefix=f"{mode}-{ctx.step}")

@@ -11,6 +11,7 @@ unchanged. A request refused with a 4xx writes nothing.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -64,12 +65,16 @@ class Gateway:
     """The gateway of one run: an ASGI app over ``store`` and the policy servers in ``upstreams``.
 
     ``sampling`` holds the parameters added to calls that do not set them.
-    ``weight_version`` (the runner sets the training step) is recorded on
-    every span. :meth:`serve` runs it on a background thread.
+    With ``seed`` set, a call that sets no ``seed`` gets :func:`call_seed`
+    of its place in the run. Every span records the ``weight_version`` of
+    the weights that answered: the one the policy server reports in its
+    answer (a field vLLM does not have), else the gateway's
+    ``weight_version``, which the runner sets. :meth:`serve` runs it on a
+    background thread.
     """
 
     def __init__(self, store: Store, config: GatewayConfig | None = None,
-                 sampling: dict[str, Any] | None = None, upstreams: list[str] = ()):
+                 sampling: dict[str, Any] | None = None, upstreams: list[str] = (), seed: int | None = None):
         self.store = store
         self.config = config or GatewayConfig()
         self.token = self.config.token or os.environ.get(TOKEN_ENV) or None
@@ -78,6 +83,7 @@ class Gateway:
                              f"set rollout.gateway.token (or ${TOKEN_ENV}) so that only agents with it get in")
         self.sampling = {k: v for k, v in (sampling or {}).items() if v is not None}
         self.upstreams = Upstreams(list(upstreams))
+        self.seed = seed
         self.weight_version: int | None = None
         self._session: aiohttp.ClientSession | None = None
         self.app = Starlette(
@@ -137,7 +143,11 @@ class Gateway:
             forwarded = Forwarded(503, b"", 0, "the gateway has no policy server to forward to")
         else:
             url = f"{upstream}/{endpoint.replace('.', '/')}"
-            payload = json.dumps(self._upstream_body(endpoint, body)).encode()
+            upstream_body = self._upstream_body(endpoint, body)
+            if self.seed is not None:
+                upstream_body.setdefault("seed", call_seed(self.seed, state.metadata, rollout_id, attempt_id,
+                                                           sequence_ids[0]))
+            payload = json.dumps(upstream_body).encode()
             forwarded = await post_with_retries(self._session, url, payload,
                                                 self.config.max_retries, self.config.retry_backoff_s)
         common = {"endpoint": endpoint, "request": body, "upstream": upstream, "status_code": forwarded.status,
@@ -185,6 +195,20 @@ class Gateway:
         return out
 
 
+def call_seed(run_seed: int, metadata: dict[str, Any], rollout_id: str, attempt_id: str, sequence_id: int) -> int:
+    """A seed for one model call from the run's seed and the call's place in the run (a 63-bit int).
+
+    The place is the rollout's mode, step, task id and sample index (from
+    its metadata, which the runner writes; the rollout id when they are
+    missing), the attempt and the call's sequence id: the same in a run and
+    in its repetition, whatever the order in which concurrent calls arrive.
+    """
+    keys = ("mode", "step", "task_id", "sample_index")
+    place = [metadata[key] for key in keys] if all(key in metadata for key in keys) else [rollout_id]
+    text = json.dumps([run_seed, *place, attempt_id, sequence_id])
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
 def _parse(endpoint: str, raw: bytes) -> dict[str, Any]:
     """The request body as a dict, or the RequestError that says what is wrong with it."""
     try:
@@ -224,6 +248,8 @@ def _spans(rollout_id: str, attempt_id: str, sequence_ids: list[int], endpoint: 
         captured = capture(endpoint, response)
         if not captured:
             error = "the policy server's answer has no choices"
+        elif isinstance(response.get("weight_version"), int):
+            attributes = {**attributes, "weight_version": response["weight_version"]}
     if error is not None:
         attrs = {**attributes, "response": response, "error": error}
         return [Span(rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=sequence_ids[0], kind="llm_call",

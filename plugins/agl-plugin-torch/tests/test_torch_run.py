@@ -1,7 +1,8 @@
 """Whole runs on the torch backend: the real loop, runner, gateway, openai client and HTTP endpoint.
 
 Covered: resuming a run from a checkpoint gives the metrics of an uninterrupted
-run; misbehaving agents fail their rollouts while training goes on; a missing
+run, with concurrent agents (every call is seeded by its place in the run, so
+batching does not change the samples); misbehaving agents fail their rollouts while training goes on; a missing
 model path is one clear error; a run's model and checkpoints reload with
 ``from_pretrained``.
 """
@@ -14,13 +15,12 @@ import math
 import pytest
 import torch
 import yaml
-from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agl_core import HOOK_API_VERSION, hookimpl
 from agl_core.cli import main
 from agl_core.config import ConfigError, load
-from agl_core.data import Rollout, Task, Triplet
+from agl_core.data import Rollout, Task
 from agl_core.loop import Trainer
 
 from agl_plugin_torch import modeling
@@ -36,7 +36,7 @@ def recipe_file(tmp_path, name="recipe.yaml", **sections) -> str:
     recipe = {
         "data": {"train_batch_size": 2, "max_prompt_length": 24, "max_response_length": 24},
         "algorithm": {"estimator": "grpo", "ppo_mini_batch_size": 4, "ppo_epochs": 2},
-        "rollout": {"n": 2, "timeout_s": 30},
+        "rollout": {"n": 2, "timeout_s": 30, "agent": "torch_test_agents:short_answers", "n_workers": 4},
         "trainer": {"run_dir": str(tmp_path / "run"), "total_steps": 2, "val_before_train": False,
                     "progress": False, "resume": "never"},
         "plugins": {"torch": tiny_section(), "traces": {"aggregator": "trajectory"}},
@@ -48,44 +48,8 @@ def recipe_file(tmp_path, name="recipe.yaml", **sections) -> str:
     return str(path)
 
 
-class SequentialAgent:
-    """``collect_rollouts`` that plays :func:`torch_test_agents.say_five`'s chat one call at a time.
-
-    With one request in flight, every sample comes from the endpoint's own
-    generator in a fixed order: two runs with the same seed see the same
-    rollouts, which makes metrics comparable across an interruption.
-    """
-
-    AGL_HOOK_API = HOOK_API_VERSION
-
-    @hookimpl
-    def collect_rollouts(self, ctx, tasks, mode):
-        client = OpenAI(base_url=ctx.state["torch"].url, api_key="unused", max_retries=0, timeout=30)
-        rollouts = []
-        for task in tasks:
-            for sample in range(ctx.config.rollout.n if mode == "train" else 1):
-                rollout_id = f"{mode}-{ctx.step}-{task.id}-{sample}"
-                messages, triplets = [{"role": "user", "content": task.input["text"]}], []
-                for turn in range(2):
-                    reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=3,
-                                                           temperature=1.0 if mode == "train" else 0.0)
-                    choice = reply.choices[0]
-                    triplets.append(Triplet(prompt_ids=reply.model_extra["prompt_token_ids"],
-                                            response_ids=choice.model_extra["token_ids"],
-                                            response_logprobs=[e.logprob for e in choice.logprobs.content],
-                                            rollout_id=rollout_id, turn_index=turn))
-                    messages += [{"role": "assistant", "content": choice.message.content},
-                                 {"role": "user", "content": "higher"}]
-                answers = [m["content"].split() for m in messages if m["role"] == "assistant"]
-                reward = float(any("5" in words for words in answers))
-                rollouts.append(Rollout(rollout_id=rollout_id, task_id=task.id, sample_index=sample,
-                                        status="succeeded", final_reward=reward, triplets=triplets))
-        return rollouts
-
-
-def run(path, overrides=(), extra=True) -> Trainer:
-    plugins = [("sequential", SequentialAgent())] if extra else []
-    recipe, pset = load(path, list(overrides), ["torch", "traces"], extra_plugins=plugins)
+def run(path, overrides=()) -> Trainer:
+    recipe, pset = load(path, list(overrides), ["torch", "traces"])
     trainer = Trainer(recipe, pset, train_tasks=TASKS, val_tasks=TASKS[:2])
     trainer.fit()
     return trainer
@@ -181,6 +145,7 @@ def test_served_logprobs_and_weight_versions_reach_the_spans_and_training(tmp_pa
         calls = [span for r in rollouts for span in r.spans if span.kind == "llm_call"]
         # Step s samples with the weights of update s - 1, and each span says so.
         assert {span.attributes["response"]["weight_version"] for span in calls} == {step - 1}
+        assert {span.attributes["weight_version"] for span in calls} == {step - 1}
 
 
 def test_a_missing_model_path_is_one_clear_error(tmp_path, capsys):

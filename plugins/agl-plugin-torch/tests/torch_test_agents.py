@@ -34,3 +34,16 @@ def faulty(task, llm):
     if fault == "garbage":
         return "not a reward"
     return say_five(task, llm)
+
+
+def short_answers(task, llm) -> float:
+    """Two turns of :func:`say_five`'s chat; the reward is higher the shorter the answers (it varies in a group)."""
+    client = OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0, timeout=30)
+    messages = [{"role": "user", "content": task.input["text"]}]
+    tokens = 0
+    for _ in range(2):
+        reply = client.chat.completions.create(model=llm.model, messages=messages, max_tokens=3)
+        tokens += reply.usage.completion_tokens
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
+                     {"role": "user", "content": "higher"}]
+    return 1.0 - tokens / 6
