@@ -10,8 +10,9 @@ Fixtures:
     Builds a validated recipe (with its run directory in ``tmp_path``) and the
     plugin set it asks for.
 
-and the contract check :func:`check_plugin`, which loads a plugin object the way
-the CLI does and fails with the plugin manager's message if it is refused.
+the contract check :func:`check_plugin`, which loads a plugin object the way
+the CLI does and fails with the plugin manager's message if it is refused, and
+:class:`BatchRecorder`, a pipeline stage that keeps the batches it sees.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, Callable
 
 import pytest
 
+from agl_core import HOOK_API_VERSION, hookimpl
 from agl_core.config import Recipe, load
 from agl_core.plugins import Plugin, PluginError, PluginSet
 
@@ -80,3 +82,23 @@ def check_plugin(obj: Any, name: str = "plugin") -> Plugin:
     if plugin.status != "active":
         raise PluginError(f"plugin {name!r} was refused: {plugin.reason}")
     return plugin
+
+
+class BatchRecorder:
+    """A ``post_process_batch`` stage that keeps every batch it sees and passes it on unchanged.
+
+    Pass it as an extra plugin. ``order`` is its ``AGL_ORDER``: the default
+    20 runs after the built-in stages (it sees the rows), 1 before them (it
+    sees ``batch.meta["rollouts"]`` only).
+    """
+
+    AGL_HOOK_API = HOOK_API_VERSION
+
+    def __init__(self, order: int = 20):
+        self.AGL_ORDER = order
+        self.batches: list = []
+
+    @hookimpl
+    def post_process_batch(self, ctx, batch):
+        self.batches.append(batch)
+        return batch

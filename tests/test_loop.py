@@ -10,29 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from agl_core import HOOK_API_VERSION, hookimpl
 from agl_core.data import Task
 from agl_core.loop import Trainer
+from agl_core.testing import BatchRecorder
 
 TASKS = [Task(id="long", input={"prompt_ids": list(range(20))})] + [
     Task(id=f"t{i}", input={"prompt_ids": [i, i + 1]}) for i in range(5)
 ]
 VAL = [Task(id=f"v{i}", input={"prompt_ids": [i]}) for i in range(3)]
-
-
-class Recorder:
-    """A second post_process_batch stage (after the instant aggregator) that keeps what it saw."""
-
-    AGL_HOOK_API = HOOK_API_VERSION
-    AGL_ORDER = 20
-
-    def __init__(self):
-        self.batches = []
-
-    @hookimpl
-    def post_process_batch(self, ctx, batch):
-        self.batches.append(batch)
-        return batch
 
 
 def trainer(make_recipe, overrides, tasks=TASKS, val=VAL, recorder=None, batch_size=6):
@@ -49,7 +34,7 @@ def read_metrics(run_dir):
 
 
 def test_one_step_through_every_hook_with_drop_floor_and_pad(make_recipe):
-    recorder = Recorder()
+    recorder = BatchRecorder()
     # Rollouts are numbered 1..24; every 7th fails: 21 rows. The 4 rows of "long" have
     # a 21-token prompt (> 8): dropped. 17 rows floor to 16 (mini-batch 8).
     t = trainer(make_recipe, ["plugins.instant.fail_every=7", "algorithm.use_kl_in_reward=true",

@@ -17,11 +17,11 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from agl_core import HOOK_API_VERSION, hookimpl
 from agl_core.cli import main
 from agl_core.config import ConfigError, load
-from agl_core.data import Rollout, Task
+from agl_core.data import Task
 from agl_core.loop import Trainer
+from agl_core.testing import BatchRecorder
 
 from agl_plugin_torch import modeling
 from agl_plugin_torch.backend import ACTOR_DIR
@@ -116,29 +116,14 @@ def test_misbehaving_agents_fail_their_rollouts_and_training_goes_on(tmp_path):
     assert metrics["training/rollout_logprob_diff/max"] < 1e-4
 
 
-class RolloutRecorder:
-    """A ``post_process_batch`` stage before the aggregator that keeps each step's rollouts."""
-
-    AGL_HOOK_API = HOOK_API_VERSION
-    AGL_ORDER = 1
-
-    def __init__(self):
-        self.rollouts: list[list[Rollout]] = []
-
-    @hookimpl
-    def post_process_batch(self, ctx, batch):
-        self.rollouts.append(batch.meta["rollouts"])
-        return batch
-
-
 def test_served_logprobs_and_weight_versions_reach_the_spans_and_training(tmp_path):
     path = recipe_file(tmp_path, rollout={"agent": "torch_test_agents:say_five", "n": 4, "n_workers": 8})
-    recorder = RolloutRecorder()
+    recorder = BatchRecorder(order=1)
     recipe, pset = load(path, [], ["torch", "traces"], extra_plugins=[("recorder", recorder)])
     trainer = Trainer(recipe, pset, train_tasks=TASKS, val_tasks=[])
     trainer.fit()
     metrics = logged(trainer.ctx.run_dir)
-    for step, rollouts in enumerate(recorder.rollouts, start=1):
+    for step, rollouts in enumerate((b.meta["rollouts"] for b in recorder.batches), start=1):
         # Through the gateway, the store and the trajectory aggregator, from concurrent batched calls.
         assert metrics[step]["training/n_calls"] == 16
         assert 0 <= metrics[step]["training/rollout_logprob_diff/max"] < 1e-4

@@ -10,17 +10,22 @@ RELEASE = threading.Event()
 """Set by the tests when they end: a hanging agent waits on it (bounded) instead of sleeping forever."""
 
 
-def say_five(task, llm) -> float:
-    """Two turns of chat; 1.0 when the model's first answer holds the word "5"."""
+def play_two_turns(task, llm) -> list:
+    """Two turns of chat (the task's text, then "higher"); the model's two replies."""
     client = OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0, timeout=30)
     messages = [{"role": "user", "content": task.input["text"]}]
-    reward = 0.0
+    replies = []
     for _ in range(2):
-        reply = client.chat.completions.create(model=llm.model, messages=messages, max_tokens=3)
-        answer = reply.choices[0].message.content or ""
-        reward = reward or float("5" in answer.split())
-        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "higher"}]
-    return reward
+        replies.append(client.chat.completions.create(model=llm.model, messages=messages, max_tokens=3))
+        messages += [{"role": "assistant", "content": replies[-1].choices[0].message.content or ""},
+                     {"role": "user", "content": "higher"}]
+    return replies
+
+
+def say_five(task, llm) -> float:
+    """:func:`play_two_turns`; 1.0 when an answer holds the word "5"."""
+    answers = [reply.choices[0].message.content or "" for reply in play_two_turns(task, llm)]
+    return float(any("5" in answer.split() for answer in answers))
 
 
 def faulty(task, llm):
@@ -37,13 +42,5 @@ def faulty(task, llm):
 
 
 def short_answers(task, llm) -> float:
-    """Two turns of :func:`say_five`'s chat; the reward is higher the shorter the answers (it varies in a group)."""
-    client = OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0, timeout=30)
-    messages = [{"role": "user", "content": task.input["text"]}]
-    tokens = 0
-    for _ in range(2):
-        reply = client.chat.completions.create(model=llm.model, messages=messages, max_tokens=3)
-        tokens += reply.usage.completion_tokens
-        messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
-                     {"role": "user", "content": "higher"}]
-    return 1.0 - tokens / 6
+    """:func:`play_two_turns`; the shorter the answers, the higher the reward (it varies within a group)."""
+    return 1.0 - sum(reply.usage.completion_tokens for reply in play_two_turns(task, llm)) / 6

@@ -14,7 +14,7 @@ from agl_core.context import TrainContext
 from agl_core.data import Batch, Rollout, Task
 from agl_core.loop import Trainer
 from agl_core.plugins import PluginError, PluginSet
-from agl_core.testing import check_plugin
+from agl_core.testing import BatchRecorder, check_plugin
 from traces_testkit import conversation, llm, rollout
 
 
@@ -109,23 +109,8 @@ class Agents:
         return out
 
 
-class Recorder:
-    """A later post_process_batch stage that keeps what it saw."""
-
-    AGL_HOOK_API = HOOK_API_VERSION
-    AGL_ORDER = 20
-
-    def __init__(self):
-        self.batches = []
-
-    @hookimpl
-    def post_process_batch(self, ctx, batch):
-        self.batches.append(batch)
-        return batch
-
-
 def test_two_steps_of_the_core_loop_with_the_instant_backend(make_recipe):
-    recorder = Recorder()
+    recorder = BatchRecorder()
     recipe, pset = make_recipe(
         ["plugins.traces.aggregator=trajectory", "plugins.traces.drop_zero_variance_groups=true",
          "plugins.traces.max_rows_per_rollout=1", "plugins.traces.trajectory_max_response_length=12",
