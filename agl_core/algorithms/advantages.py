@@ -109,6 +109,17 @@ def group_ids(index: Sequence[Hashable] | np.ndarray | torch.Tensor) -> tuple[to
     return torch.from_numpy(gid), len(dense)
 
 
+def _group_outcomes(
+    token_level_rewards: torch.Tensor, index: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(scores, gid, count, mean, std)`` of the outcome estimators: each row's summed reward R (B,),
+    its dense group id (B,), and the per-group count, mean and std of R (G,) from :func:`_group_mean_std`."""
+    scores = token_level_rewards.sum(dim=-1)
+    gid, n_groups = group_ids(index)
+    gid = gid.to(scores.device)
+    return scores, gid, *_group_mean_std(scores, gid, n_groups)
+
+
 def _group_mean_std(
     scores: torch.Tensor, gid: torch.Tensor, n_groups: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -224,10 +235,7 @@ def grpo(
 
     Matches ``compute_grpo_outcome_advantage`` of verl 0.9.1.
     """
-    scores = token_level_rewards.sum(dim=-1)
-    gid, n_groups = group_ids(index)
-    gid = gid.to(scores.device)
-    count, mean, std = _group_mean_std(scores, gid, n_groups)
+    scores, gid, count, mean, std = _group_outcomes(token_level_rewards, index)
     singleton = count == 1
     mean = mean.masked_fill(singleton, 0.0)
     advantage = scores - mean[gid]
@@ -266,15 +274,12 @@ def grpo_passk(
     Matches ``compute_grpo_passk_outcome_advantage`` of verl 0.9.1 (which reads the
     normalisation flag from ``config.norm_adv_by_std_in_grpo``).
     """
-    scores = token_level_rewards.sum(dim=-1)
-    gid, n_groups = group_ids(index)
-    gid = gid.to(scores.device)
-    count, _, std = _group_mean_std(scores, gid, n_groups)
+    scores, gid, count, _, std = _group_outcomes(token_level_rewards, index)
     if bool((count < 2).any()):
         raise ValueError("Pass@k needs at least two responses in every group")
 
     def group_max(x: torch.Tensor) -> torch.Tensor:
-        return x.new_zeros(n_groups).scatter_reduce(0, gid, x, reduce="amax", include_self=False)
+        return x.new_zeros(len(count)).scatter_reduce(0, gid, x, reduce="amax", include_self=False)
 
     best_score = group_max(scores)
     # One best row per group: the lowest row index attaining the maximum.
@@ -314,10 +319,7 @@ def rloo(
 
     Matches ``compute_rloo_outcome_advantage`` of verl 0.9.1.
     """
-    scores = token_level_rewards.sum(dim=-1)
-    gid, n_groups = group_ids(index)
-    gid = gid.to(scores.device)
-    count, mean, _ = _group_mean_std(scores, gid, n_groups)
+    scores, gid, count, mean, _ = _group_outcomes(token_level_rewards, index)
     n = count[gid]
     advantage = torch.where(n > 1, (scores - mean[gid]) * n / (n - 1), scores)
     advantages = advantage.unsqueeze(-1) * response_mask
@@ -374,10 +376,7 @@ def reinforce_plus_plus_baseline(
 
     Matches ``compute_reinforce_plus_plus_baseline_outcome_advantage`` of verl 0.9.1.
     """
-    scores = token_level_rewards.sum(dim=-1)
-    gid, n_groups = group_ids(index)
-    gid = gid.to(scores.device)
-    count, mean, _ = _group_mean_std(scores, gid, n_groups)
+    scores, gid, count, mean, _ = _group_outcomes(token_level_rewards, index)
     centered = scores - mean.masked_fill(count == 1, 0.0)[gid]
     advantages = masked_whiten(centered.unsqueeze(-1) * response_mask, response_mask) * response_mask
     return advantages, advantages
