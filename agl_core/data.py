@@ -10,15 +10,17 @@ dict, laid out like verl's ``DataProto`` (``batch`` / ``non_tensor_batch`` /
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, GetPydanticSchema, model_validator
+from pydantic_core import core_schema
 from tensordict import TensorDict
 
-__all__ = ["Batch", "Rollout", "Span", "Task", "Triplet"]
+__all__ = ["Batch", "LogProbs", "Rollout", "Span", "Task", "TokenIds", "Triplet"]
 
 
 # ---------------------------------------------------------------------------- records
@@ -42,16 +44,171 @@ class Task(_Record):
     metadata: dict[str, Any] = Field(default_factory=dict, description="Anything else (source, difficulty, ...).")
 
 
+class _Packed(Sequence):
+    """An immutable sequence of numbers packed in one ``bytes`` buffer, that behaves like the list it replaces.
+
+    Equal to a list (or another packed sequence of its kind) with the same
+    items; indexing gives Python numbers, slicing a packed sequence;
+    ``packed + list`` and ``list + packed`` give a list, two packed sequences
+    concatenate packed. ``packed`` is the raw buffer (native byte order) and
+    ``array`` a read-only NumPy view of it: comparing, joining and copying
+    them runs at memory speed, with no Python object per item.
+    """
+
+    __slots__ = ("packed",)
+    _typecode: ClassVar[str]  # array module type code of an item
+    _dtype: ClassVar[np.dtype]
+
+    def __init__(self, items: Iterable = ()):
+        if isinstance(items, type(self)):
+            packed = items.packed
+        elif isinstance(items, np.ndarray):
+            if items.ndim != 1:
+                raise ValueError(f"{type(self).__name__} takes a 1-D array, not {items.ndim}-D")
+            packed = items.astype(self._dtype, casting="same_kind", copy=False).tobytes()
+        else:
+            packed = array(self._typecode, items).tobytes()
+        object.__setattr__(self, "packed", packed)
+
+    @classmethod
+    def frombytes(cls, packed: bytes):
+        """The sequence whose raw buffer is ``packed`` (``len(packed)`` a multiple of the item size)."""
+        if len(packed) % cls._dtype.itemsize:
+            raise ValueError(f"{len(packed)} bytes are not a whole number of {cls._dtype.itemsize}-byte items")
+        self = object.__new__(cls)
+        object.__setattr__(self, "packed", bytes(packed))
+        return self
+
+    @property
+    def array(self) -> np.ndarray:
+        """A read-only NumPy view of the items (no copy)."""
+        return np.frombuffer(self.packed, dtype=self._dtype)
+
+    def tolist(self) -> list:
+        return self.array.tolist()
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __len__(self) -> int:
+        return len(self.packed) // self._dtype.itemsize
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step == 1:
+                size = self._dtype.itemsize
+                return type(self).frombytes(self.packed[start * size: max(start, stop) * size])
+            return type(self)(self.array[index])
+        return self.array[index].item()
+
+    def __iter__(self):
+        return iter(self.tolist())
+
+    def __eq__(self, other):
+        if isinstance(other, type(self)):
+            return self.packed == other.packed
+        if isinstance(other, list):
+            return len(other) == len(self) and self.tolist() == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.packed)
+
+    def __add__(self, other):
+        if isinstance(other, type(self)):
+            return type(self).frombytes(self.packed + other.packed)
+        if isinstance(other, list):
+            return self.tolist() + other
+        return NotImplemented
+
+    def __radd__(self, other):
+        if isinstance(other, list):
+            return other + self.tolist()
+        return NotImplemented
+
+    def __array__(self, dtype=None, copy=None):
+        view = self.array
+        return view.copy() if copy else view if dtype is None else view.astype(dtype)
+
+    def __reduce__(self):
+        return type(self).frombytes, (self.packed,)
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.tolist()!r})"
+
+
+class TokenIds(_Packed):
+    """Token ids packed as int64, 8 bytes each (a list of ints costs about 40 bytes per id)."""
+
+    __slots__ = ()
+    _typecode, _dtype = "q", np.dtype(np.int64)
+
+
+class LogProbs(_Packed):
+    """Log-probs packed as float64, 8 bytes each: the same values as the list of floats they come from."""
+
+    __slots__ = ()
+    _typecode, _dtype = "d", np.dtype(np.float64)
+
+
+def _packed_field(cls: type[_Packed], item_schema: core_schema.CoreSchema) -> Any:
+    """A pydantic field type: validated as a list of ``item_schema`` (JSON included), held as ``cls``, dumped as a
+    list. From JSON, the list is parsed in pydantic's core and packed once; from Python, a ``cls`` is kept as it
+    is and a 1-D NumPy array of a compatible dtype is packed directly."""
+    as_list = core_schema.list_schema(item_schema)
+
+    def pack(items: list) -> _Packed:
+        try:
+            return cls(items)
+        except OverflowError as e:  # a ValueError becomes a ValidationError
+            raise ValueError(f"{cls.__name__} holds 64-bit items: {e}") from None
+
+    def validate(value: Any, handler: Any) -> _Packed:
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, np.ndarray) and np.can_cast(value.dtype, cls._dtype, "same_kind") and value.ndim == 1:
+            return cls(value)
+        return pack(handler(value))
+
+    def dump(value: Any) -> list:
+        return value.tolist() if isinstance(value, _Packed) else value
+
+    schema = core_schema.json_or_python_schema(
+        json_schema=core_schema.no_info_after_validator_function(pack, as_list),
+        python_schema=core_schema.no_info_wrap_validator_function(validate, as_list),
+        serialization=core_schema.plain_serializer_function_ser_schema(dump, return_schema=as_list))
+
+    return Annotated[list, GetPydanticSchema(lambda _source, _handler: schema,
+                                             lambda _schema, handler: handler(as_list))]
+
+
+_TokenIdsField = _packed_field(TokenIds, core_schema.int_schema())
+_LogProbsField = _packed_field(LogProbs, core_schema.float_schema())
+
+
 class Span(_Record):
-    """One recorded event of a rollout: a model call (with its exact token ids), a reward, or an annotation."""
+    """One recorded event of a rollout: a model call (with its exact token ids), a reward, or an annotation.
+
+    Token ids and log-probs are held packed (:class:`TokenIds`, :class:`LogProbs`):
+    they compare equal to lists, serialize as lists, and accept lists.
+    """
 
     rollout_id: str = Field(description="Rollout this span belongs to.")
     attempt_id: str = Field("0", description="Attempt of the rollout (a retried rollout gets a new attempt).")
     sequence_id: int = Field(description="Order of the span within its rollout.")
     kind: Literal["llm_call", "reward", "annotation"] = Field(description="What the span records.")
-    prompt_token_ids: list[int] = Field(default_factory=list, description="Prompt token ids as the engine saw them.")
-    response_token_ids: list[int] = Field(default_factory=list, description="Sampled token ids as returned.")
-    response_logprobs: list[float] | None = Field(None, description="Log-prob of each response token, when returned.")
+    prompt_token_ids: _TokenIdsField = Field(default_factory=TokenIds,
+                                             description="Prompt token ids as the engine saw them.")
+    response_token_ids: _TokenIdsField = Field(default_factory=TokenIds, description="Sampled token ids as returned.")
+    response_logprobs: _LogProbsField | None = Field(
+        None, description="Log-prob of each response token, when returned.")
     reward: float | None = Field(None, description="Reward carried by a 'reward' span.")
     attributes: dict[str, Any] = Field(default_factory=dict, description="Free-form: agent name, tool, ...")
     start_time: float | None = Field(None, description="Start, seconds since the epoch.")

@@ -9,29 +9,36 @@ breaks the prefix once (its history is re-rendered), so the break path runs
 too. By default the spans are parsed from JSON, as a store hands them over
 (``--source python`` builds them from shared Python lists instead).
 
-Both implementations run the same algorithm on the same spans:
+Both implementations run the same algorithm on the same spans, each in the
+form its trainer holds them, parsed from the same JSON before timing starts:
 
 * ``reference``: the approach of the reference trainer (Agent Lightning's
   ``get_train_data_batch``), written straightforwardly: per rollout, per
   triplet, Python lists for every row (padded ids, attention mask, response
-  mask, log-probs, scores), then ``torch.tensor`` over the lists of rows.
-* ``ours``: ``agl_plugin_traces.trajectory.trajectory_batch``.
+  mask, log-probs, scores), then ``torch.tensor`` over the lists of rows. Its
+  spans hold token ids and log-probs as Python lists (``ListSpan``, the
+  reference's span model), one int object per id.
+* ``ours``: ``agl_plugin_traces.trajectory.trajectory_batch`` on agl_core's
+  ``Span``, which holds them packed (``TokenIds``, ``LogProbs``: 8 bytes
+  each). Packing happens when a span is validated, i.e. while the store
+  parses it: ``parse_s`` and ``parse_lists_s`` are the times to parse all
+  spans from JSON into each form (not part of either aggregation time).
 
 Every output tensor and column is asserted identical, then one JSON line is
 printed:
 
     {"bench": "aggregation", "aggregator": "trajectory", "source": "json", "rollouts": 4096, "turns": 8, "rows": ...,
      "tokens": ..., "ours_s": ..., "reference_s": ..., "speedup": ..., "ours_cpu_s": ...,
-     "reference_cpu_s": ..., "speedup_cpu": ..., "prefix_check_s": ..., "output_bytes": ...,
-     "peak_bytes": ..., "peak_over_output": ...}
+     "reference_cpu_s": ..., "speedup_cpu": ..., "prefix_check_s": ..., "parse_s": ...,
+     "parse_lists_s": ..., "output_bytes": ..., "peak_bytes": ..., "peak_over_output": ...}
 
 Times are medians over ``--repeats`` runs after one untimed warm-up (the
 reference: over a third as many), with torch.set_num_threads(2), in wall
 seconds (``*_s``) and in CPU seconds of the process (``*_cpu_s``, which other
 processes on a shared machine do not stretch).
 ``prefix_check_s`` is the time of the token comparisons alone (each prompt
-against the previous prompt + response), which any exact implementation
-makes: a floor for both. ``peak_bytes`` is the peak of memory allocated while
+against the previous prompt + response) on the list spans, which any exact
+implementation on Python lists makes: a floor for the reference. ``peak_bytes`` is the peak of memory allocated while
 our aggregator builds the batch (a separate run, measured as the kernel's
 high-water mark of the resident set, so every allocation counts), and
 ``output_bytes`` the size of the output tensors. Linux only.
@@ -54,6 +61,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pydantic import BaseModel
+
 from agl_core.data import Batch, Rollout, Span
 from agl_plugin_traces.trajectory import trajectory_batch
 
@@ -63,20 +72,31 @@ MAX_PROMPT, MAX_RESPONSE = 256, 2048
 # --------------------------------------------------------------------------- workload
 
 
-def make_rollouts(n_rollouts: int, turns: int, seed: int = 0, source: str = "json") -> list[Rollout]:
-    """Agent-like rollouts (see the module docstring).
+class ListSpan(BaseModel):
+    """The span as the reference trainer holds it: the fields of agl_core's ``Span``, token ids and log-probs as lists."""
 
-    ``source="json"``: spans parsed from JSON, as a store hands them over (every
-    token id a separate Python int). ``"python"``: spans validated from the
-    Python lists the generator built, where later prompts share the int
-    objects of earlier ones, so list comparisons short-cut on identity.
-    """
+    rollout_id: str
+    attempt_id: str = "0"
+    sequence_id: int
+    kind: str
+    prompt_token_ids: list[int] = []
+    response_token_ids: list[int] = []
+    response_logprobs: list[float] | None = None
+    reward: float | None = None
+    attributes: dict = {}
+    start_time: float | None = None
+    end_time: float | None = None
+
+
+def make_records(n_rollouts: int, turns: int, seed: int = 0, source: str = "json") -> list[tuple[dict, list]]:
+    """Agent-like rollouts (see the module docstring): per rollout, its fields and its spans, each span as JSON
+    text (``source="json"``) or as the dict of Python lists the generator built (``"python"``)."""
     rng = random.Random(seed)
 
     def tokens(mean: int) -> list[int]:
         return [rng.randrange(1000, 150_000) for _ in range(rng.randint(mean * 9 // 10, mean * 11 // 10))]
 
-    rollouts = []
+    records = []
     for r in range(n_rollouts):
         rollout_id = f"rollout-{r}"
         prompt, spans = tokens(200), []
@@ -90,11 +110,24 @@ def make_rollouts(n_rollouts: int, turns: int, seed: int = 0, source: str = "jso
                           "response_logprobs": [-rng.random() for _ in response]})
             prompt = prompt + response + tokens(200)
         spans.append({"rollout_id": rollout_id, "sequence_id": 2 * turns, "kind": "reward", "reward": rng.random()})
-        rollouts.append(Rollout(rollout_id=rollout_id, task_id=f"task-{r // 8}", status="succeeded",
-                                final_reward=spans[-1]["reward"],
-                                spans=[Span.model_validate_json(json.dumps(s)) if source == "json"
-                                       else Span.model_validate(s) for s in spans]))
-    return rollouts
+        fields = {"rollout_id": rollout_id, "task_id": f"task-{r // 8}", "status": "succeeded",
+                  "final_reward": spans[-1]["reward"]}
+        records.append((fields, [json.dumps(s) for s in spans] if source == "json" else spans))
+    return records
+
+
+def make_rollouts(records: list[tuple[dict, list]], span_model: type[BaseModel] = Span) -> list[Rollout]:
+    """The rollouts of ``records``, their spans validated as ``span_model``.
+
+    From JSON text, as a store hands spans over: every token id is parsed on
+    its own (a separate Python int in a ``ListSpan``). From dicts: where later
+    prompts share the int objects of earlier ones, so list comparisons
+    short-cut on identity.
+    """
+    # model_construct: the spans are validated already (and a ListSpan is not agl_core's Span).
+    return [Rollout.model_construct(**fields, spans=[
+        span_model.model_validate_json(s) if isinstance(s, str) else span_model.model_validate(s) for s in spans])
+        for fields, spans in records]
 
 
 # --------------------------------------------------------------------------- the reference approach
@@ -288,14 +321,21 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
 
-    rollouts = make_rollouts(args.rollouts, args.turns, source=args.source)
+    records = make_records(args.rollouts, args.turns, source=args.source)
+    start = time.perf_counter()
+    rollouts = make_rollouts(records)
+    parse_s = time.perf_counter() - start
+    start = time.perf_counter()
+    list_rollouts = make_rollouts(records, span_model=ListSpan)
+    parse_lists_s = time.perf_counter() - start
+    del records
     ours_s, ours_cpu_s, batch = median_seconds(lambda: ours(rollouts), args.repeats)
-    prefix_check_s, _, _ = median_seconds(lambda: prefix_check(rollouts), args.repeats)
+    prefix_check_s, _, _ = median_seconds(lambda: prefix_check(list_rollouts), args.repeats)
     reference_s, reference_cpu_s, expected = median_seconds(
-        lambda: reference_trajectory(rollouts, MAX_PROMPT, MAX_RESPONSE), max(1, args.repeats // 3))
+        lambda: reference_trajectory(list_rollouts, MAX_PROMPT, MAX_RESPONSE), max(1, args.repeats // 3))
     assert_identical(batch, expected)
     size, rows, tokens = output_bytes(batch), len(batch), int(batch["attention_mask"].sum())
-    del batch, expected
+    del batch, expected, list_rollouts
     peak = peak_bytes(lambda: ours(rollouts))
     print(json.dumps({
         "bench": "aggregation", "aggregator": "trajectory", "source": args.source, "rollouts": args.rollouts,
@@ -304,6 +344,7 @@ def main() -> None:
         "ours_s": round(ours_s, 4), "reference_s": round(reference_s, 4), "speedup": round(reference_s / ours_s, 1),
         "ours_cpu_s": round(ours_cpu_s, 4), "reference_cpu_s": round(reference_cpu_s, 4),
         "speedup_cpu": round(reference_cpu_s / ours_cpu_s, 1), "prefix_check_s": round(prefix_check_s, 4),
+        "parse_s": round(parse_s, 2), "parse_lists_s": round(parse_lists_s, 2),
         "output_bytes": size, "peak_bytes": peak, "peak_over_output": round(peak / size, 2),
     }))
 

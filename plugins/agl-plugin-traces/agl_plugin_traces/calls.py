@@ -3,9 +3,10 @@
 A rollout records ``llm_call`` spans (the exact prompt and response token ids
 of each call, as the serving engine saw and returned them) and ``reward``
 spans. This module orders the calls by ``sequence_id``, keeps only those a
-trainer can use, and attaches each reward span to the call it rewards. The
-token lists are the spans' own lists, never copied: the aggregators read them
-in place.
+trainer can use, and attaches each reward span to the call it rewards. A
+call holds the span's own packed :class:`~agl_core.data.TokenIds` and
+:class:`~agl_core.data.LogProbs`, never copied: the aggregators compare and
+copy their raw buffers (``.packed``), with no Python object per token.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from operator import attrgetter
 
-from agl_core.data import Rollout, Triplet
+from agl_core.data import LogProbs, Rollout, TokenIds, Triplet
 
 
 @dataclass(slots=True)
@@ -26,9 +27,9 @@ class Call:
     to it, or None when the agent emitted none for it.
     """
 
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float] | None
+    prompt_ids: TokenIds
+    response_ids: TokenIds
+    logprobs: LogProbs | None
     reward: float | None = None
     agent_name: str | None = None
 
@@ -64,6 +65,15 @@ class TraceCounts:
 _by_sequence = attrgetter("sequence_id")
 
 
+def _token_ids(ids) -> TokenIds:
+    # Spans validated by pydantic hold TokenIds already; model_construct'ed spans and triplets may hold lists.
+    return ids if type(ids) is TokenIds else TokenIds(ids)
+
+
+def _logprobs(logprobs) -> LogProbs | None:
+    return logprobs if logprobs is None or type(logprobs) is LogProbs else LogProbs(logprobs)
+
+
 def rollout_calls(rollout: Rollout, counts: TraceCounts) -> list[Call]:
     """The trainable model calls of ``rollout`` in call order, with their per-call rewards.
 
@@ -80,37 +90,54 @@ def rollout_calls(rollout: Rollout, counts: TraceCounts) -> list[Call]:
     it is: one call per triplet, in the given order, ``Triplet.reward`` as the
     call's reward.
     """
-    llm = sorted((s for s in rollout.spans if s.kind == "llm_call"), key=_by_sequence)
+    llm, rewards = [], []
+    for span in rollout.spans:
+        kind = span.kind
+        if kind == "llm_call":
+            llm.append(span)
+        elif kind == "reward" and span.reward is not None:
+            rewards.append(span)
+    llm.sort(key=_by_sequence)
     if not llm and rollout.triplets:
         counts.kept += len(rollout.triplets)
-        return [Call(t.prompt_ids, t.response_ids, t.response_logprobs, t.reward, t.metadata.get("agent_name"))
-                for t in rollout.triplets]
+        return [Call(_token_ids(t.prompt_ids), _token_ids(t.response_ids), _logprobs(t.response_logprobs), t.reward,
+                     t.metadata.get("agent_name")) for t in rollout.triplets]
 
     calls: list[Call | None] = []
-    same_key: dict[tuple, list[int]] = {}  # cheap key of a prompt -> indices of the kept calls with that key
+    same_length: dict[int, list[int]] = {}  # prompt length -> indices of the kept calls with a prompt that long
     for span in llm:
-        prompt, response = span.prompt_token_ids, span.response_token_ids
-        if span.attributes.get("error"):
+        attributes = span.attributes
+        if attributes and attributes.get("error"):
             counts.error += 1
             calls.append(None)
             continue
-        if not prompt or not response:
+        prompt, response = span.prompt_token_ids, span.response_token_ids
+        if type(prompt) is not TokenIds:
+            prompt = TokenIds(prompt)
+        if type(response) is not TokenIds:
+            response = TokenIds(response)
+        packed = prompt.packed
+        if not packed or not response.packed:
             counts.empty += 1
             calls.append(None)
             continue
         # A retry re-sends the same prompt: the later call replaces the earlier one.
-        # The key only narrows the candidates; equal prompts are confirmed by comparing the ids.
-        key = (len(prompt), prompt[0], prompt[len(prompt) // 2], prompt[-1])
-        candidates = same_key.setdefault(key, [])
-        if not span.attributes.get("choice_index"):  # choices 1, 2, ... of one request are samples, not retries
-            for earlier in [i for i in candidates if calls[i].prompt_ids == prompt]:
-                calls[earlier] = None
-                candidates.remove(earlier)
-                counts.retried += 1
-        candidates.append(len(calls))
-        calls.append(Call(prompt, response, span.response_logprobs, None, span.attributes.get("agent_name")))
+        # The length only narrows the candidates; equal prompts are confirmed by comparing the buffers.
+        candidates = same_length.get(len(packed))
+        if candidates is None:
+            same_length[len(packed)] = [len(calls)]
+        else:
+            if not (attributes and attributes.get("choice_index")):  # choices 1, 2, ... of a request are samples
+                for earlier in [i for i in candidates if calls[i].prompt_ids.packed == packed]:
+                    calls[earlier] = None
+                    candidates.remove(earlier)
+                    counts.retried += 1
+            candidates.append(len(calls))
+        logprobs = span.response_logprobs
+        if logprobs is not None and type(logprobs) is not LogProbs:
+            logprobs = LogProbs(logprobs)
+        calls.append(Call(prompt, response, logprobs, None, attributes.get("agent_name") if attributes else None))
 
-    rewards = [s for s in rollout.spans if s.kind == "reward" and s.reward is not None]
     if rewards:
         sequence_ids = [s.sequence_id for s in llm]
         for span in rewards:
@@ -157,15 +184,16 @@ def to_triplets(rollout: Rollout, missing_reward: float | None = 0.0) -> list[Tr
 
     A triplet's reward is the call's own reward where the agent emitted one
     (``metadata["reward_source"] == "call"``), else the rollout's reward
-    (``"rollout"``). Token lists are shared with the spans, not copied.
+    (``"rollout"``). The triplets hold lists, as :class:`~agl_core.data.Triplet` declares.
     """
     final = rollout_reward(rollout, missing_reward)
     triplets = []
     for turn, call in enumerate(rollout_calls(rollout, TraceCounts())):
         own = call.reward is not None
-        # model_construct: the spans were validated already; revalidating copies every token list.
+        # model_construct: the spans were validated already.
         triplets.append(Triplet.model_construct(
-            prompt_ids=call.prompt_ids, response_ids=call.response_ids, response_logprobs=call.logprobs,
+            prompt_ids=call.prompt_ids.tolist(), response_ids=call.response_ids.tolist(),
+            response_logprobs=None if call.logprobs is None else call.logprobs.tolist(),
             reward=call.reward if own else final, rollout_id=rollout.rollout_id, turn_index=turn,
             metadata={"agent_name": call.agent_name, "reward_source": "call" if own else "rollout"}))
     return triplets

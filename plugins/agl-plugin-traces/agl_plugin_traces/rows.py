@@ -1,15 +1,17 @@
-"""Rows → tensors: rows gathered as flat runs of token ids, laid out as padded tensors in a few vectorised passes.
+"""Rows → tensors: rows described by lengths and buffers, laid out as padded tensors in a few vectorised passes.
 
 An aggregator describes each training row with :class:`RowBuilder`: the
 row's prompt, then one turn per model call: how many context tokens are new
 since the previous call (tool results, environment text, template tokens:
 ``response_mask = 0``) and how many the model produced (``response_mask =
-1``, trainable). Only lengths are recorded per turn; the tokens themselves
-are copied once per row from the row's last call, whose prompt + response
-holds every token of the row. The builder converts the tokens of each row
-in one or two C-level calls (no work per token in Python) and keeps the rest
-in flat lists; :meth:`RowBuilder.to_batch` then writes every tensor with
-whole-array NumPy operations.
+1``, trainable). Only lengths and references to the spans' packed buffers
+(:class:`~agl_core.data.TokenIds`, :class:`~agl_core.data.LogProbs`) are
+recorded while the rollouts are walked: a few list appends per call.
+:meth:`RowBuilder.to_batch` then works out every cut, mask and reward
+position for all turns at once with whole-array operations, and copies each
+row's tokens once, straight from the buffers into the output tensor, from
+the row's last call, whose prompt + response holds every token of the row
+(no work per token in Python, no intermediate copy).
 
 Layout, as the reference trainer and verl expect it: each row is
 ``P + R`` columns, the prompt left-padded into the first ``P`` and the
@@ -18,45 +20,72 @@ response right-padded into the last ``R``.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-from agl_core.data import Batch
+from agl_core.data import Batch, LogProbs, TokenIds
+
+_ITEM = 8  # bytes per packed token id or log-prob
+_ORDER = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask",
+          "token_level_scores", "is_drop_mask", "rollout_log_probs")  # the order of the batch's tensors
+
+
+@dataclass
+class _Layout:
+    """Where every kept row's tokens, trainable tokens and rewards go (see :meth:`RowBuilder._layout`)."""
+
+    rows: np.ndarray  # indices of the kept rows (rows with a trainable token) among all rows
+    response_len: np.ndarray  # per kept row: response tokens kept
+    model_turns: np.ndarray  # turns with a kept model token, in order
+    model_kept: np.ndarray  # per such turn: model tokens kept
+    model_at: np.ndarray  # per such turn: flat index (kept row * R + response position) of its first model token
+    score_at: np.ndarray  # flat index of each reward
+    score_value: np.ndarray
+    truncated: int
+    logprobs_known: bool
 
 
 class RowBuilder:
-    """Collects rows (prompt, response runs, rewards, ids) and builds the core :class:`~agl_core.data.Batch`.
+    """Collects rows (prompt, turns, rewards, ids) and builds the core :class:`~agl_core.data.Batch`.
 
     Per row: :meth:`begin`, one :meth:`add_turn` per call, then :meth:`end`.
-    Responses are cut at ``max_response_length`` as turns are added, so the
-    flat lists hold exactly the tokens that land in the tensors.
+    Responses are cut at ``max_response_length`` when the batch is laid out;
+    rows left without a trainable token are dropped (counted).
     """
 
     def __init__(self, max_prompt_length: int, max_response_length: int):
         self.P, self.R = max_prompt_length, max_response_length
-        self.tokens: list[np.ndarray] = []  # row after row: its kept prompt ids, then its kept response ids
+        # Per turn, all rows' turns in order: context tokens new since the previous call (mask 0), then the
+        # call's own tokens (mask 1) with their log-probs (None: unknown).
+        self.observation: list[int] = []
+        self.response: list[int] = []
+        self.logprobs: list[LogProbs | None] = []
+        self.call_rewards: list[tuple[int, float]] = []  # (turn, the call's own reward)
+        # Per row. The prompt: ``prompt_len`` ids of ``prompt_src`` (the packed prompt of the row's first call)
+        # from id ``prompt_from``. The response: a window of the row's last call's prompt (``context_prompt``)
+        # + response (``context_response``) from id ``window``. Its turns: ``first_turn`` up to the next row's.
+        self.first_turn: list[int] = []
+        self.prompt_src: list[bytes] = []
+        self.prompt_from: list[int] = []
         self.prompt_len: list[int] = []
-        self.response_len: list[int] = []
-        # Response runs of all rows, in order, in pairs: (context tokens, mask 0), (model tokens, mask 1).
-        self.runs: list[int] = []
-        self.logprobs: list[float] = []  # log-probs of the kept model tokens, in order
-        self.logprobs_known = True  # every model run so far came with its log-probs
-        self.score_row: list[int] = []
-        self.score_pos: list[int] = []
-        self.score_value: list[float] = []
+        self.window: list[int] = []
+        self.context_prompt: list[bytes] = []
+        self.context_response: list[bytes] = []
+        self.reward: list[float] = []  # the row's reward when none of its calls has its own
         self.is_drop: list[bool] = []
+        self.overflowed: list[bool] = []
         self.uid: list[str] = []
         self.rollout_id: list[str] = []
         self.turn_index: list[int] = []
-        self.n_prompt_too_long = 0
-        self.n_prompt_overflow_masked = 0
-        self.n_response_truncated = 0
-        self.n_no_trainable_token = 0
         self._open = False
+        self._laid_out: _Layout | None = None
 
     # ------------------------------------------------------------------ one row
 
-    def begin(self, prompt_ids: list[int], overflow_to_response: bool = False) -> None:
+    def begin(self, prompt_ids: TokenIds, overflow_to_response: bool = False) -> None:
         """Open a row whose prompt is ``prompt_ids`` (the prompt of the row's first call).
 
         A prompt longer than ``P``: with ``overflow_to_response`` its first ``P``
@@ -67,95 +96,121 @@ class RowBuilder:
         """
         assert not self._open, "end() the previous row first"
         self._open = True
-        self._mark = (len(self.tokens), len(self.runs), len(self.logprobs))
-        self._length = 0  # response tokens kept in this row
-        self._last_model = -1  # response position of this row's last model token
-        self._truncated = self._drop = self._overflowed = False
+        self._laid_out = None
+        packed = prompt_ids.packed
+        n, P = len(packed) // _ITEM, self.P
+        self.first_turn.append(len(self.response))
+        self.prompt_src.append(packed)
+        overflow = n > P and overflow_to_response
+        drop = n > P and not overflow_to_response
+        self.prompt_from.append(n - P if drop else 0)
+        self.prompt_len.append(P if n > P else n)
         # The response is the window of the row's last context (prompt + response) that starts here.
-        self._window = len(prompt_ids)
-        if len(prompt_ids) <= self.P:
-            self._take(prompt_ids)
-            self._prompt_len = len(prompt_ids)
-        elif overflow_to_response:
-            self._take(prompt_ids[: self.P])
-            self._prompt_len = self._window = self.P
-            self._overflowed = True
-            self.add_turn(len(prompt_ids) - self.P, 0, None)
-        else:
-            self._take(prompt_ids[-self.P:])
-            self._prompt_len = self.P
-            self._drop = True
+        self.window.append(P if overflow else n)
+        self.is_drop.append(drop)
+        self.overflowed.append(overflow)
+        if overflow:
+            self.add_turn(n - P, 0, None)
 
-    def add_turn(self, observation_length: int, response_length: int, logprobs: list[float] | None) -> int | None:
+    def add_turn(self, observation_length: int, response_length: int, logprobs: LogProbs | None,
+                 reward: float | None = None) -> None:
         """Add one call to the open row: ``observation_length`` context tokens that are new since the previous
         call (response_mask 0), then the call's ``response_length`` tokens (mask 1) with their log-probs
-        (None: unknown).
+        (None: unknown). ``reward``: the call's own reward, placed on its last kept token (on the row's last
+        trainable token when the row had no room left for any of its tokens).
 
-        Only lengths are given: the tokens are read once, from the row's last
-        context, in :meth:`end`. Returns the response position of the call's
-        last kept token, or None when the row had no room left for any.
+        Only lengths are given: the tokens are read once, from the row's last context, in :meth:`to_batch`.
         """
-        room = self.R - self._length
-        observation = min(observation_length, room)
-        model = min(response_length, room - observation)
-        if observation + model < observation_length + response_length:
-            self._truncated = True
-        self.runs += (observation, model)
-        self._length += observation + model
-        if not model:
-            return None
-        self._last_model = self._length - 1
-        if logprobs is None:
-            self.logprobs_known = False
-        elif self.logprobs_known:
-            self.logprobs += logprobs if model == len(logprobs) else logprobs[:model]
-        return self._last_model
+        if reward is not None:
+            self.call_rewards.append((len(self.response), reward))
+        self.observation.append(observation_length)
+        self.response.append(response_length)
+        self.logprobs.append(logprobs)
 
-    def end(self, prompt_ids: list[int], response_ids: list[int], uid: str, rollout_id: str, turn_index: int,
-            rewards: list[tuple[int | None, float]]) -> bool:
+    def end(self, prompt_ids: TokenIds, response_ids: TokenIds, uid: str, rollout_id: str, turn_index: int,
+            reward: float) -> None:
         """Close the row. ``prompt_ids`` + ``response_ids`` is the row's last call, whose context holds every
-        token of the row; ``rewards`` are ``(response position, value)``, position None meaning the row's last
-        trainable token. A row without a trainable token is discarded (returns False)."""
+        token of the row; ``reward`` goes on the row's last trainable token when none of its calls had its own."""
         assert self._open, "begin() a row first"
         self._open = False
-        if self._last_model < 0:
-            tokens, runs, logprobs = self._mark
-            del self.tokens[tokens:], self.runs[runs:], self.logprobs[logprobs:]
-            self.n_no_trainable_token += 1
-            return False
-        start, stop = self._window, self._window + self._length
-        self._take(prompt_ids[start:stop])
-        if stop > len(prompt_ids):
-            self._take(response_ids[: stop - len(prompt_ids)])
-        row = len(self.prompt_len)
-        self.prompt_len.append(self._prompt_len)
-        self.response_len.append(self._length)
-        for position, value in rewards:
-            self.score_row.append(row)
-            self.score_pos.append(self._last_model if position is None else position)
-            self.score_value.append(value)
-        self.is_drop.append(self._drop)
+        self.context_prompt.append(prompt_ids.packed)
+        self.context_response.append(response_ids.packed)
+        self.reward.append(reward)
         self.uid.append(uid)
         self.rollout_id.append(rollout_id)
         self.turn_index.append(turn_index)
-        self.n_prompt_too_long += self._drop
-        self.n_prompt_overflow_masked += self._overflowed
-        self.n_response_truncated += self._truncated
-        return True
-
-    def _take(self, ids: list[int]) -> None:
-        # One conversion per piece: C-level, and no Python list of all the batch's tokens to hold.
-        self.tokens.append(np.fromiter(ids, dtype=np.int64, count=len(ids)))
 
     # ------------------------------------------------------------------ all rows
 
+    def _layout(self) -> _Layout:
+        """Cut every row's response at ``R``, find its trainable tokens and its reward positions: all turns at once."""
+        assert not self._open, "end() the last row first"
+        if self._laid_out is not None:
+            return self._laid_out
+        R, n_rows, n_turns = self.R, len(self.first_turn), len(self.response)
+        first_turn = np.array(self.first_turn, dtype=np.int64)
+        turns_per_row = np.diff(first_turn, append=n_turns)
+        row_of_turn = np.repeat(np.arange(n_rows), turns_per_row)
+        # Runs, two per turn: (observation, mask 0), (response, mask 1); each one's start within its row's response.
+        runs = np.empty(2 * n_turns, dtype=np.int64)
+        runs[0::2], runs[1::2] = self.observation, self.response
+        ends = np.cumsum(runs)
+        row_start = np.zeros(n_rows, dtype=np.int64)
+        has_turns = turns_per_row > 0
+        row_start[has_turns] = ends[2 * first_turn[has_turns]] - runs[2 * first_turn[has_turns]]
+        start = ends - runs - np.repeat(row_start, 2 * turns_per_row)
+        kept = np.clip(R - start, 0, runs)  # what fits before column R
+        response_len = np.zeros(n_rows, dtype=np.int64)
+        np.add.at(response_len, np.repeat(row_of_turn, 2), kept)
+        truncated = np.zeros(n_rows, dtype=bool)
+        truncated[np.repeat(row_of_turn, 2)[kept < runs]] = True
+        model_kept, model_start = kept[1::2], start[1::2]
+        model_turns = np.flatnonzero(model_kept)
+        # The last trainable token of each row (-1: none, the row is dropped): its last turn with a kept model token.
+        last = np.full(n_rows, -1, dtype=np.int64)
+        model_row = row_of_turn[model_turns]
+        final = np.append(model_row[1:] != model_row[:-1], True)[: len(model_row)]  # each row's last such turn
+        last[model_row[final]] = (model_start + model_kept - 1)[model_turns[final]]
+        rows = np.flatnonzero(last >= 0)
+        new_row = np.cumsum(last >= 0) - 1  # index among the kept rows
+
+        # Rewards: the calls' own on their last kept token (the row's last trainable token when none was kept);
+        # a row without any gets its own reward on its last trainable token.
+        reward_row, reward_pos, reward_value = [], [], []
+        own = np.zeros(n_rows, dtype=bool)
+        if self.call_rewards:
+            turn, value = (np.array(column) for column in zip(*self.call_rewards))
+            row = row_of_turn[turn]
+            own[row] = True
+            has_room = model_kept[turn] > 0
+            reward_row.append(row)
+            reward_pos.append(np.where(has_room, model_start[turn] + model_kept[turn] - 1, last[row]))
+            reward_value.append(value.astype(np.float64))
+        plain = np.flatnonzero(~own)
+        reward_row.append(plain)
+        reward_pos.append(last[plain])
+        reward_value.append(np.array(self.reward, dtype=np.float64)[plain])
+        reward_row, reward_pos, reward_value = (np.concatenate(x) for x in (reward_row, reward_pos, reward_value))
+        scored = last[reward_row] >= 0  # rewards of dropped rows go with them
+        score_at = new_row[reward_row[scored]] * R + reward_pos[scored]
+
+        known = all(self.logprobs[turn] is not None for turn in model_turns.tolist())
+        self._laid_out = _Layout(
+            rows=rows, response_len=response_len[rows], model_turns=model_turns,
+            model_kept=model_kept[model_turns], model_at=new_row[model_row] * R + model_start[model_turns],
+            score_at=score_at, score_value=reward_value[scored], truncated=int(truncated[rows].sum()),
+            logprobs_known=known)
+        return self._laid_out
+
     def metrics(self) -> dict[str, float]:
+        layout = self._layout()
+        rows = layout.rows
         return {
-            "training/n_triplets": float(len(self.prompt_len)),
-            "training/n_triplets_prompt_too_long": float(self.n_prompt_too_long),
-            "training/n_triplets_prompt_overflow_masked": float(self.n_prompt_overflow_masked),
-            "training/n_triplets_response_truncated": float(self.n_response_truncated),
-            "training/n_triplets_no_trainable_token": float(self.n_no_trainable_token),
+            "training/n_triplets": float(len(rows)),
+            "training/n_triplets_prompt_too_long": float(np.array(self.is_drop, dtype=bool)[rows].sum()),
+            "training/n_triplets_prompt_overflow_masked": float(np.array(self.overflowed, dtype=bool)[rows].sum()),
+            "training/n_triplets_response_truncated": float(layout.truncated),
+            "training/n_triplets_no_trainable_token": float(len(self.first_turn) - len(rows)),
         }
 
     def to_batch(self, pad_token_id: int = 0) -> Batch:
@@ -173,56 +228,105 @@ class RowBuilder:
         bool. Non-tensors: ``uid`` and ``data_id`` (the group: the task id),
         ``rollout_id``, ``turn_index`` (index of the row's first call).
         """
-        assert not self._open, "end() the last row first"
-        P, R, n = self.P, self.R, len(self.prompt_len)
-        prompt_len = np.array(self.prompt_len, dtype=np.int64)
-        start = P - prompt_len  # first real column of each row
-        length = prompt_len + np.array(self.response_len, dtype=np.int64)  # real tokens of each row
+        layout = self._layout()
+        P, R, rows = self.P, self.R, layout.rows
+        n = len(rows)
+        # Every model token's flat index in the (n, R) response tensors, in the order of the turns.
+        kept = layout.model_kept
+        first = np.cumsum(kept) - kept  # index of each turn's first token among all model tokens
+        model_at = np.arange(int(kept.sum()), dtype=np.int64) + np.repeat(layout.model_at - first, kept)
 
-        # The tensors are allocated by torch and filled through NumPy views of them. NumPy would allocate
-        # with madvise(MADV_HUGEPAGE), and where the kernel then compacts memory on page faults
-        # (transparent_hugepage/defrag = madvise) filling a fresh array stalls: 3x slower on a 2-core box.
-        position_ids = torch.empty((n, P + R), dtype=torch.int64)
-        position = position_ids.numpy()
-        np.subtract(np.arange(P + R), start[:, None], out=position)  # column minus the row's first real column
-        attended = torch.empty((n, P + R), dtype=torch.bool)
-        # 0 <= position < length in one comparison: negative positions wrap to huge unsigned values.
-        np.less(position.view(np.uint64), length.view(np.uint64)[:, None], out=attended.numpy())
-        # cumsum(attention_mask) - 1 clamped at 0 (verl's position ids) is the position clamped to the row:
-        # 0 over the left pads, counting over the tokens, the last position over the right pads.
-        np.clip(position, 0, (length - 1)[:, None], out=position)
-
-        # Boolean assignment fills the True cells in row-major order: exactly the order the tokens were appended.
-        input_ids = torch.full((n, P + R), pad_token_id, dtype=torch.int64)
-        tokens = torch.empty(int(length.sum()), dtype=torch.int64)
-        if self.tokens:
-            np.concatenate(self.tokens, out=tokens.numpy())
-        input_ids.numpy()[attended.numpy()] = tokens.numpy()
-        response_mask = torch.zeros((n, R), dtype=torch.int64)
-        mask_of_runs = np.tile(np.array([0, 1], dtype=np.int8), len(self.runs) // 2)
-        response_mask.numpy()[attended.numpy()[:, P:]] = np.repeat(mask_of_runs, self.runs)
-        scores = torch.zeros((n, R), dtype=torch.float32)
-        np.add.at(scores.numpy(), (np.array(self.score_row, dtype=np.int64), np.array(self.score_pos, dtype=np.int64)),
-                  np.array(self.score_value, dtype=np.float32))
-
-        tensors = {
-            "prompts": input_ids[:, :P].contiguous(),
-            "responses": input_ids[:, P:].contiguous(),
-            "input_ids": input_ids,
-            "attention_mask": attended.long(),
-            "position_ids": position_ids,
-            "response_mask": response_mask,
-            "token_level_scores": scores,
-            "is_drop_mask": torch.tensor(self.is_drop, dtype=torch.bool),
-        }
-        if self.logprobs_known:
-            logprobs = torch.zeros((n, R), dtype=torch.float32)
-            logprobs.numpy()[response_mask.bool().numpy()] = np.fromiter(self.logprobs, dtype=np.float32,
-                                                                         count=len(self.logprobs))
-            tensors["rollout_log_probs"] = logprobs
-        uid = np.array(self.uid, dtype=object)
+        # Two independent halves: the token tensors (and log-probs), and the masks. Most of their time is the
+        # kernel mapping fresh pages for 10-500 MB of output, which two threads do side by side; NumPy and
+        # torch release the GIL while they fill arrays. One thread when torch is limited to one.
+        if torch.get_num_threads() > 1 and n:
+            with ThreadPoolExecutor(1, thread_name_prefix="agl-traces-rows") as helper:
+                masks = helper.submit(self._masks, layout, model_at)
+                tensors = self._tokens(layout, model_at, pad_token_id)
+                tensors.update(masks.result())
+        else:
+            tensors = {**self._tokens(layout, model_at, pad_token_id), **self._masks(layout, model_at)}
+        tensors["is_drop_mask"] = torch.from_numpy(np.array(self.is_drop, dtype=bool)[rows])
+        tensors = {name: tensors[name] for name in _ORDER if name in tensors}
+        uid = np.array(self.uid, dtype=object)[rows]
         return Batch(
             tensors=tensors,
-            non_tensors={"uid": uid, "data_id": uid.copy(), "rollout_id": np.array(self.rollout_id, dtype=object),
-                         "turn_index": np.array(self.turn_index, dtype=np.int64)},
+            non_tensors={"uid": uid, "data_id": uid.copy(), "rollout_id": np.array(self.rollout_id, dtype=object)[rows],
+                         "turn_index": np.array(self.turn_index, dtype=np.int64)[rows]},
         )
+
+    # The tensors are allocated by torch and filled through NumPy views of them. NumPy would allocate
+    # with madvise(MADV_HUGEPAGE), and where the kernel then compacts memory on page faults
+    # (transparent_hugepage/defrag = madvise) filling a fresh array stalls: 3x slower on a 2-core box.
+
+    def _tokens(self, layout: _Layout, model_at: np.ndarray, pad_token_id: int) -> dict[str, torch.Tensor]:
+        """``input_ids``, ``prompts``, ``responses`` and, when known, ``rollout_log_probs``."""
+        P, R, n = self.P, self.R, len(layout.rows)
+        input_ids = torch.full((n, P + R), pad_token_id, dtype=torch.int64)
+        self._copy_tokens(input_ids, layout.rows.tolist(), layout.response_len.tolist())
+        tensors = {"prompts": input_ids[:, :P].contiguous(), "responses": input_ids[:, P:].contiguous(),
+                   "input_ids": input_ids}
+        if layout.logprobs_known:
+            logprobs = torch.zeros((n, R), dtype=torch.float32)
+            logprobs.numpy().reshape(-1)[model_at] = self._model_logprobs(layout)
+            tensors["rollout_log_probs"] = logprobs
+        return tensors
+
+    def _masks(self, layout: _Layout, model_at: np.ndarray) -> dict[str, torch.Tensor]:
+        """``attention_mask``, ``position_ids``, ``response_mask`` and ``token_level_scores``."""
+        P, R, n = self.P, self.R, len(layout.rows)
+        prompt_len = np.array(self.prompt_len, dtype=np.int64)[layout.rows]
+        start = P - prompt_len  # first real column of each row
+        length = prompt_len + layout.response_len  # real tokens of each row
+        position_ids = torch.sub(torch.arange(P + R), torch.from_numpy(start)[:, None])  # column - first real column
+        # 0 <= position < length in one comparison: negative positions wrap to huge unsigned values.
+        attended = np.less(position_ids.numpy().view(np.uint64), length.view(np.uint64)[:, None])
+        attention_mask = torch.empty((n, P + R), dtype=torch.int64).copy_(torch.from_numpy(attended))
+        # cumsum(attention_mask) - 1 clamped at 0 (verl's position ids) is the position clamped to the row:
+        # 0 over the left pads, counting over the tokens, the last position over the right pads.
+        torch.minimum(position_ids.clamp_(min=0), torch.from_numpy(length - 1)[:, None], out=position_ids)
+        response_mask = torch.zeros((n, R), dtype=torch.int64)
+        response_mask.numpy().reshape(-1)[model_at] = 1
+        scores = torch.zeros((n, R), dtype=torch.float32)
+        np.add.at(scores.numpy().reshape(-1), layout.score_at, layout.score_value.astype(np.float32))
+        return {"attention_mask": attention_mask, "position_ids": position_ids, "response_mask": response_mask,
+                "token_level_scores": scores}
+
+    def _model_logprobs(self, layout: _Layout) -> np.ndarray:
+        """The log-probs of the kept model tokens, in order: one join of the spans' packed buffers."""
+        logprobs, response = self.logprobs, self.response
+        turns = layout.model_turns.tolist()
+        values = np.frombuffer(b"".join([logprobs[t].packed for t in turns]), dtype=np.float64)
+        if len(values) == int(layout.model_kept.sum()):
+            return values  # no call was cut
+        full = np.array([response[t] for t in turns], dtype=np.int64)
+        # Some calls were cut: keep the first ``kept`` of each call's ``full`` log-probs.
+        offset = np.repeat(np.cumsum(full) - full, layout.model_kept)
+        within = np.arange(len(offset)) - np.repeat(np.cumsum(layout.model_kept) - layout.model_kept, layout.model_kept)
+        return values[offset + within]
+
+    def _copy_tokens(self, input_ids: torch.Tensor, rows: list[int], response_len: list[int]) -> None:
+        """Copy every kept row's tokens from the spans' packed buffers into ``input_ids`` (n, P+R), a few memcpy
+        per row: the kept prompt right-aligned in the first ``P`` columns, the response window from column ``P``."""
+        if not input_ids.numel():
+            return
+        P, width = self.P, input_ids.shape[1] * _ITEM
+        out = memoryview(input_ids.numpy()).cast("B")  # the tensor's bytes, row after row
+        prompt_src, prompt_from, prompt_len = self.prompt_src, self.prompt_from, self.prompt_len
+        context_prompt, context_response, window = self.context_prompt, self.context_response, self.window
+        at_row = 0
+        for row, n_response in zip(rows, response_len):
+            n_prompt, first = prompt_len[row] * _ITEM, prompt_from[row] * _ITEM
+            at = at_row + P * _ITEM - n_prompt
+            out[at: at + n_prompt] = memoryview(prompt_src[row])[first: first + n_prompt]
+            context = context_prompt[row]
+            at, start = at_row + P * _ITEM, window[row] * _ITEM
+            stop = start + n_response * _ITEM
+            if start < len(context):  # the window starts in the call's prompt ...
+                part = memoryview(context)[start: stop]
+                out[at: at + len(part)] = part
+                at += len(part)
+            if stop > len(context):  # ... and may run into its response
+                part = memoryview(context_response[row])[max(start - len(context), 0): stop - len(context)]
+                out[at: at + len(part)] = part
+            at_row += width

@@ -76,39 +76,36 @@ def trajectory_batch(rollouts: Iterable[Rollout], max_prompt_length: int, max_re
     for rollout, reward, calls in trainable_rollouts(rollouts, missing_reward, counts):
         uid, rollout_id = rollout.task_id, rollout.rollout_id
         previous = None
-        first_turn = 0
-        own_rewards: list[tuple[int | None, float]] = []  # (position, reward) of the open row's rewarded calls
         broken = False
         for turn, call in enumerate(calls):
             prompt = call.prompt_ids
+            own = call.reward if per_call_rewards else None
             if previous is not None:
-                # Does this prompt extend the previous prompt + response? Two slice comparisons, run in C.
-                before, said = previous.prompt_ids, previous.response_ids
-                n_before, n_said = len(before), len(said)
-                if (len(prompt) >= n_before + n_said and prompt[:n_before] == before
-                        and prompt[n_before:n_before + n_said] == said):
+                # Does this prompt extend the previous prompt + response? Two memcmp on the packed buffers.
+                packed, before, said = prompt.packed, previous.prompt_ids.packed, previous.response_ids.packed
+                n_before = len(before)
+                if (len(packed) >= n_before + len(said) and packed.startswith(before)
+                        and packed.startswith(said, n_before)):
                     # What follows the previous context is new (possibly nothing), then the model speaks.
-                    last = rows.add_turn(len(prompt) - n_before - n_said, len(call.response_ids), call.logprobs)
-                    if per_call_rewards and call.reward is not None:
-                        own_rewards.append((last, call.reward))
+                    rows.add_turn((len(packed) - n_before - len(said)) // 8, len(call.response_ids.packed) // 8,
+                                  call.logprobs, own)
                     previous = call
                     continue
-                rows.end(before, said, uid, rollout_id, first_turn, own_rewards or [(None, reward)])
+                rows.end(previous.prompt_ids, previous.response_ids, uid, rollout_id, first_turn, reward)
                 broken = True
-                context = before + said
-                kind = classify_break(context, prompt, tokenizer)
+                context = previous.prompt_ids.tolist() + previous.response_ids.tolist()
+                prompt_list = prompt.tolist()
+                kind = classify_break(context, prompt_list, tokenizer)
                 breaks.by_class[kind] += 1
                 if breaks.records is not None:
                     breaks.records.append({"rollout_id": rollout_id, "turn_index": turn, "class": kind,
-                                           "first_difference": first_difference(context, prompt),
-                                           "context_ids": context, "prompt_ids": prompt})
+                                           "first_difference": first_difference(context, prompt_list),
+                                           "context_ids": context, "prompt_ids": prompt_list})
             rows.begin(prompt, overflow_to_response=overflow_to_response and turn > 0)
             first_turn = turn
-            last = rows.add_turn(0, len(call.response_ids), call.logprobs)
-            own_rewards = [(last, call.reward)] if per_call_rewards and call.reward is not None else []
+            rows.add_turn(0, len(call.response_ids.packed) // 8, call.logprobs, own)
             previous = call
         if previous is not None:
-            rows.end(previous.prompt_ids, previous.response_ids, uid, rollout_id, first_turn,
-                     own_rewards or [(None, reward)])
+            rows.end(previous.prompt_ids, previous.response_ids, uid, rollout_id, first_turn, reward)
         breaks.rollouts += broken
     return rows.to_batch(pad_token_id), {**counts.metrics(), **rows.metrics(), **breaks.metrics()}, breaks
