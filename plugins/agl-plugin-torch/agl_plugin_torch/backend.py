@@ -133,26 +133,39 @@ class Backend:
     # ------------------------------------------------------------ checkpoints
 
     def save(self, path: Path) -> None:
-        """The actor as a Hugging Face directory (``path/actor``) and the rest in ``path/torch_state.pt``."""
+        """The actor as a Hugging Face directory (``path/actor``) and the rest in ``path/torch_state.pt``.
+
+        When an actor transform froze part of the actor (an adapter), the
+        directory holds what the actor's ``save_pretrained`` writes (the
+        adapter), and ``torch_state.pt`` also holds the trained parameters by
+        the actor's own names (``actor_trained``): a resumed run rebuilds the
+        frozen part from the initial weights and the same transforms, and
+        restores these exactly, whatever the format of the directory.
+        """
         self.actor.save_pretrained(path / ACTOR_DIR)
         self.tokenizer.save_pretrained(path / ACTOR_DIR)
         state = {"actor_optim": self.actor_optim.state_dict(), "actor_sched": self.actor_sched.state_dict(),
                  "generator": self.generator.get_state(), "weight_version": self.weight_version}
+        if any(not p.requires_grad for p in self.actor.parameters()):
+            state["actor_trained"] = {n: p.detach() for n, p in self.actor.named_parameters() if p.requires_grad}
         if self.critic is not None:
             state.update(critic=self.critic.state_dict(), critic_optim=self.critic_optim.state_dict(),
                          critic_sched=self.critic_sched.state_dict())
         torch.save(state, path / STATE_FILE)
 
     def load(self, path: Path) -> None:
-        actor = modeling.load(path / ACTOR_DIR, self.config.model)[0]
-        with self.lock:
-            missing, unexpected = self.actor.load_state_dict(actor.state_dict(), strict=False)
-        if missing or unexpected:
-            raise RuntimeError(f"the actor of checkpoint {path} does not fit this run's actor "
-                               f"({len(missing)} weights missing, e.g. {missing[:2]}; {len(unexpected)} unexpected, "
-                               f"e.g. {unexpected[:2]}): was it saved with other actor transforms "
-                               f"(e.g. a LoRA adapter) than this run applies?")
         state = torch.load(path / STATE_FILE, weights_only=False, map_location="cpu")
+        if "actor_trained" in state:
+            self._load_trained(path, state["actor_trained"])
+        else:
+            actor = modeling.load(path / ACTOR_DIR, self.config.model)[0]
+            with self.lock:
+                missing, unexpected = self.actor.load_state_dict(actor.state_dict(), strict=False)
+            if missing or unexpected:
+                raise RuntimeError(f"the actor of checkpoint {path} does not fit this run's actor "
+                                   f"({len(missing)} weights missing, e.g. {missing[:2]}; {len(unexpected)} "
+                                   f"unexpected, e.g. {unexpected[:2]}): was it saved with other actor transforms "
+                                   f"(e.g. a LoRA adapter) than this run applies?")
         self.actor_optim.load_state_dict(state["actor_optim"])
         self.actor_sched.load_state_dict(state["actor_sched"])
         self.generator.set_state(state["generator"])
@@ -163,6 +176,19 @@ class Backend:
             self.critic_optim.load_state_dict(state["critic_optim"])
             self.critic_sched.load_state_dict(state["critic_sched"])
         self.set_weight_version(state["weight_version"])
+
+    def _load_trained(self, path: Path, trained: dict[str, torch.Tensor]) -> None:
+        """Restore the trained parameters of a transformed actor; they must be exactly this actor's."""
+        params = {n: p for n, p in self.actor.named_parameters() if p.requires_grad}
+        if trained.keys() != params.keys():
+            missing, unexpected = sorted(params.keys() - trained.keys()), sorted(trained.keys() - params.keys())
+            raise RuntimeError(f"the trained weights of checkpoint {path} do not fit this run's actor "
+                               f"({len(missing)} missing, e.g. {missing[:2]}; {len(unexpected)} unexpected, "
+                               f"e.g. {unexpected[:2]}): was it saved with other actor transforms than this run "
+                               f"applies?")
+        with self.lock, torch.no_grad():
+            for name, param in params.items():
+                param.copy_(trained[name])
 
 
 ActorTransform = Callable[[PreTrainedModel], PreTrainedModel]
