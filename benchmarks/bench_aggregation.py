@@ -56,11 +56,11 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
-
 from pydantic import BaseModel
 
 from agl_core.data import Batch, Rollout, Span
@@ -73,7 +73,7 @@ MAX_PROMPT, MAX_RESPONSE = 256, 2048
 
 
 class ListSpan(BaseModel):
-    """The span as the reference trainer holds it: the fields of agl_core's ``Span``, token ids and log-probs as lists."""
+    """The span as the reference trainer holds it: agl_core's ``Span`` fields, token ids and log-probs as lists."""
 
     rollout_id: str
     attempt_id: str = "0"
@@ -330,9 +330,9 @@ def main() -> None:
     parse_lists_s = time.perf_counter() - start
     del records
     ours_s, ours_cpu_s, batch = median_seconds(lambda: ours(rollouts), args.repeats)
-    prefix_check_s, _, _ = median_seconds(lambda: prefix_check(list_rollouts), args.repeats)
+    prefix_check_s, _, _ = median_seconds(partial(prefix_check, list_rollouts), args.repeats)
     reference_s, reference_cpu_s, expected = median_seconds(
-        lambda: reference_trajectory(list_rollouts, MAX_PROMPT, MAX_RESPONSE), max(1, args.repeats // 3))
+        partial(reference_trajectory, list_rollouts, MAX_PROMPT, MAX_RESPONSE), max(1, args.repeats // 3))
     assert_identical(batch, expected)
     size, rows, tokens = output_bytes(batch), len(batch), int(batch["attention_mask"].sum())
     del batch, expected, list_rollouts

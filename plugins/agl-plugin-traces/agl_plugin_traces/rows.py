@@ -229,8 +229,7 @@ class RowBuilder:
         ``rollout_id``, ``turn_index`` (index of the row's first call).
         """
         layout = self._layout()
-        P, R, rows = self.P, self.R, layout.rows
-        n = len(rows)
+        rows = layout.rows
         # Every model token's flat index in the (n, R) response tensors, in the order of the turns.
         kept = layout.model_kept
         first = np.cumsum(kept) - kept  # index of each turn's first token among all model tokens
@@ -239,7 +238,7 @@ class RowBuilder:
         # Two independent halves: the token tensors (and log-probs), and the masks. Most of their time is the
         # kernel mapping fresh pages for 10-500 MB of output, which two threads do side by side; NumPy and
         # torch release the GIL while they fill arrays. One thread when torch is limited to one.
-        if torch.get_num_threads() > 1 and n:
+        if torch.get_num_threads() > 1 and len(rows):
             with ThreadPoolExecutor(1, thread_name_prefix="agl-traces-rows") as helper:
                 masks = helper.submit(self._masks, layout, model_at)
                 tensors = self._tokens(layout, model_at, pad_token_id)

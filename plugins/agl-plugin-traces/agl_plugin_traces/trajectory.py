@@ -76,6 +76,7 @@ def trajectory_batch(rollouts: Iterable[Rollout], max_prompt_length: int, max_re
     for rollout, reward, calls in trainable_rollouts(rollouts, missing_reward, counts):
         uid, rollout_id = rollout.task_id, rollout.rollout_id
         previous = None
+        first_turn = 0  # the open row's first call
         broken = False
         for turn, call in enumerate(calls):
             prompt = call.prompt_ids

@@ -29,7 +29,8 @@ def test_span_token_ids_are_packed_and_behave_like_the_lists_they_came_from():
     assert type(span.prompt_token_ids) is TokenIds and type(span.response_logprobs) is LogProbs
     assert span.prompt_token_ids == [5, 6, 7] and [5, 6, 7] == span.prompt_token_ids and span.prompt_token_ids != [5]
     assert span.response_logprobs == [-1.0, -0.5]
-    assert len(span.prompt_token_ids) == 3 and span.prompt_token_ids[-1] == 7 and list(span.prompt_token_ids) == [5, 6, 7]
+    assert len(span.prompt_token_ids) == 3 and span.prompt_token_ids[-1] == 7
+    assert list(span.prompt_token_ids) == [5, 6, 7]
     assert span.prompt_token_ids[1:] == [6, 7] and span.prompt_token_ids[::2] == [5, 7]
     assert span.prompt_token_ids + [1] == [5, 6, 7, 1] and [1] + span.prompt_token_ids == [1, 5, 6, 7]
     assert span.prompt_token_ids + span.response_token_ids == TokenIds([5, 6, 7, 8, 9])
