@@ -85,7 +85,7 @@ class _Packed(Sequence):
         return np.frombuffer(self.packed, dtype=self._dtype)
 
     def tolist(self) -> list:
-        return self.array.tolist()
+        return memoryview(self.packed).cast(self._typecode).tolist()
 
     def __setattr__(self, name, value):
         raise AttributeError(f"{type(self).__name__} is immutable")
@@ -161,7 +161,7 @@ class LogProbs(_Packed):
 def _packed_field(cls: type[_Packed], item_schema: core_schema.CoreSchema) -> Any:
     """A pydantic field type: validated as a list of ``item_schema`` (JSON included), held as ``cls``, dumped as a
     list. From JSON, the list is parsed in pydantic's core and packed once; from Python, a ``cls`` is kept as it
-    is and a 1-D NumPy array of a compatible dtype is packed directly."""
+    is, and a list of plain numbers or a 1-D NumPy array of a compatible dtype is packed directly."""
     as_list = core_schema.list_schema(item_schema)
 
     def pack(items: list) -> _Packed:
@@ -173,6 +173,11 @@ def _packed_field(cls: type[_Packed], item_schema: core_schema.CoreSchema) -> An
     def validate(value: Any, handler: Any) -> _Packed:
         if isinstance(value, cls):
             return value
+        if type(value) is list:
+            try:  # plain ints (floats): packed directly, as pydantic would validate them
+                return cls.frombytes(array(cls._typecode, value).tobytes())
+            except (TypeError, OverflowError):
+                pass  # anything else (numeric strings, ...) goes through pydantic's list validation
         if isinstance(value, np.ndarray) and np.can_cast(value.dtype, cls._dtype, "same_kind") and value.ndim == 1:
             return cls(value)
         return pack(handler(value))
@@ -216,7 +221,11 @@ class Span(_Record):
 
     @model_validator(mode="after")
     def _logprobs_match_response(self) -> Span:
-        _check_logprobs(self.response_token_ids, self.response_logprobs)
+        # Also runs when a Rollout takes Span instances: packed buffers of equal size are checked without len().
+        response, logprobs = self.response_token_ids, self.response_logprobs
+        if logprobs is not None and not (type(response) is TokenIds and type(logprobs) is LogProbs
+                                         and len(response.packed) == len(logprobs.packed)):
+            _check_logprobs(response, logprobs)
         return self
 
 
