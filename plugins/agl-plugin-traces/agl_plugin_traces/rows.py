@@ -62,7 +62,7 @@ class RowBuilder:
         # call's own tokens (mask 1) with their log-probs (None: unknown).
         self.observation: list[int] = []
         self.response: list[int] = []
-        self.logprobs: list[LogProbs | None] = []
+        self.logprobs: list[bytes | None] = []  # packed
         self.call_rewards: list[tuple[int, float]] = []  # (turn, the call's own reward)
         # Per row. The prompt: ``prompt_len`` ids of ``prompt_src`` (the packed prompt of the row's first call)
         # from id ``prompt_from``. The response: a window of the row's last call's prompt (``context_prompt``)
@@ -125,7 +125,7 @@ class RowBuilder:
             self.call_rewards.append((len(self.response), reward))
         self.observation.append(observation_length)
         self.response.append(response_length)
-        self.logprobs.append(logprobs)
+        self.logprobs.append(None if logprobs is None else logprobs.packed)
 
     def end(self, prompt_ids: TokenIds, response_ids: TokenIds, uid: str, rollout_id: str, turn_index: int,
             reward: float) -> None:
@@ -295,7 +295,7 @@ class RowBuilder:
         """The log-probs of the kept model tokens, in order: one join of the spans' packed buffers."""
         logprobs, response = self.logprobs, self.response
         turns = layout.model_turns.tolist()
-        values = np.frombuffer(b"".join([logprobs[t].packed for t in turns]), dtype=np.float64)
+        values = np.frombuffer(b"".join([logprobs[t] for t in turns]), dtype=np.float64)
         if len(values) == int(layout.model_kept.sum()):
             return values  # no call was cut
         full = np.array([response[t] for t in turns], dtype=np.int64)
