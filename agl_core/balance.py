@@ -24,9 +24,12 @@ class _Largest:
         self.part = part
 
     def __lt__(self, other: _Largest) -> bool:
-        mine, theirs = self.part, other.part
-        # verl orders parts by sum, then size, then items.
-        return (mine[0], len(mine[1]), mine[1]) > (theirs[0], len(theirs[1]), theirs[1])
+        return _part_key(self.part) > _part_key(other.part)
+
+
+def _part_key(part: list) -> tuple:
+    # A part is [sum, index, index, ...]; verl orders parts by sum, then size, then items.
+    return part[0], len(part), part[1:]
 
 
 def balanced_partitions(seqlens: Sequence[float] | np.ndarray, k: int, equal_size: bool = True) -> list[list[int]]:
@@ -46,19 +49,19 @@ def balanced_partitions(seqlens: Sequence[float] | np.ndarray, k: int, equal_siz
         raise ValueError(f"cannot split {len(values)} items into {k} non-empty partitions")
     if equal_size and len(values) % k:
         raise ValueError(f"equal_size needs len(seqlens) divisible by k: {len(values)} % {k} = {len(values) % k}")
-    # A part is [sum, indices]. verl keeps (index, value) pairs and breaks ties
-    # by comparing them; indices are unique, so comparing the indices alone
-    # gives the same order with fewer objects.
+    # A part is one flat list [sum, index, index, ...]: few objects to make.
+    # verl keeps (index, value) pairs and breaks ties by comparing them;
+    # indices are unique, so comparing the indices alone gives the same order.
     ordered = sorted(range(len(values)), key=values.__getitem__)
     # Start states: with equal_size, each run of k consecutive values (by size)
     # is spread one per part, so every merge keeps the part sizes equal and
-    # parts compare by [sum, indices] alone (verl also compares sizes).
+    # parts compare as the lists they are (verl also compares sizes).
     group = k if equal_size else 1
-    by_part = None if equal_size else (lambda part: (part[0], len(part[1]), part[1]))
+    by_part = None if equal_size else _part_key
     heap = []
     for start in range(0, len(ordered), group):
-        parts = [[values[index], [index]] for index in ordered[start:start + group]]
-        parts += [[0, []] for _ in range(k - group)]
+        parts = [[values[index], index] for index in ordered[start:start + group]]
+        parts += [[0] for _ in range(k - group)]
         parts.sort(key=by_part, reverse=True)
         heap.append((parts[-1][0] - parts[0][0], _Largest(parts[0]), len(heap), parts))
     heapq.heapify(heap)
@@ -68,12 +71,12 @@ def balanced_partitions(seqlens: Sequence[float] | np.ndarray, k: int, equal_siz
         # The differencing step: pair the first state's largest part with the second's smallest, and so on.
         for mine, theirs in zip(first, reversed(second)):
             mine[0] += theirs[0]
-            mine[1] += theirs[1]
+            mine.extend(theirs[1:])
         first.sort(key=by_part, reverse=True)
         # Largest spread pops first; on a tie, the state with the larger largest part.
         heapq.heappush(heap, (first[-1][0] - first[0][0], _Largest(first[0]), counter, first))
         counter += 1
-    return [sorted(part[1]) for part in heap[0][3]]
+    return [sorted(part[1:]) for part in heap[0][3]]
 
 
 def _workload(seqlens: np.ndarray) -> np.ndarray:

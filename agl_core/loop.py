@@ -116,7 +116,7 @@ class Trainer:
                 metrics["training/skipped_step"] = 1.0
                 return metrics
             if cfg.trainer.balance_batch:
-                seqlens = (stats["prompt_length"] + stats["response_length"]).long().numpy()
+                seqlens = (stats.column("prompt_length") + stats.column("response_length")).astype(np.int64)
                 order, balance_metrics = balanced_order(seqlens[rows], ctx.world_size)
                 rows = rows[order]
                 metrics.update(balance_metrics)
@@ -130,8 +130,8 @@ class Trainer:
                     metrics.update(ctx.call("update_actor", batch=batch))
 
         metrics.update(summarize(stats, suffix="_after_processing"))
-        metrics.update(compute_timing_metrics(timing, stats["prompt_length"].sum().item(),
-                                              stats["response_length"].sum().item()))
+        metrics.update(compute_timing_metrics(timing, stats.column("prompt_length").sum(),
+                                              stats.column("response_length").sum()))
         metrics.update(compute_throughput_metrics(batch, timing, ctx.world_size))
         return metrics
 

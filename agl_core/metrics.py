@@ -9,14 +9,41 @@ columns. All statistics are vectorized over rows.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from agl_core.data import Batch
 
-__all__ = ["compute_data_metrics", "compute_throughput_metrics", "compute_timing_metrics", "row_statistics",
-           "sequence_lengths", "summarize"]
+__all__ = ["RowStats", "compute_data_metrics", "compute_throughput_metrics", "compute_timing_metrics",
+           "row_statistics", "sequence_lengths", "summarize"]
+
+
+@dataclass(frozen=True)
+class RowStats:
+    """Per-row statistics of a batch (:func:`row_statistics`): one float64 column per name in one table.
+
+    ``stats[rows]`` selects rows as the batch's ``batch[rows]`` does, with one
+    NumPy fancy index for every column.
+    """
+
+    table: np.ndarray  # (N, len(names)) float64
+    names: tuple[str, ...]
+    max_prompt_length: int
+    max_response_length: int
+    use_critic: bool
+
+    def __len__(self) -> int:
+        return self.table.shape[0]
+
+    def __getitem__(self, rows) -> RowStats:
+        return RowStats(self.table[rows], self.names, self.max_prompt_length, self.max_response_length,
+                        self.use_critic)
+
+    def column(self, name: str) -> np.ndarray:
+        """The statistic ``name`` of every row, ``(N,)``."""
+        return self.table[:, self.names.index(name)]
 
 
 def sequence_lengths(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,7 +61,7 @@ def sequence_lengths(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def row_statistics(batch: Batch, use_critic: bool,
-                   lengths: tuple[torch.Tensor, torch.Tensor] | None = None) -> Batch:
+                   lengths: tuple[torch.Tensor, torch.Tensor] | None = None) -> RowStats:
     """Per-row sums, extremes and counts from which the data metrics of any subset of rows follow.
 
     One pass over the ``(N, R)`` columns; :func:`summarize` then turns the
@@ -58,63 +85,62 @@ def row_statistics(batch: Batch, use_critic: bool,
         "response_length": response_length,
         "n_valid": n_valid,
     }
-    # Masked reductions by arithmetic, not torch.where: with w the 0/1 mask and
-    # f = (w - 1) * finfo.max, a row's sum is sum(x w), its max is
-    # max(x w + f) and its min is min(x w - f), all exact for finite x.
-    # The passes write into reused scratch tensors: a fresh (N, R) temporary
-    # per reduction costs more in page faults than the arithmetic.
+    # Masked reductions by arithmetic, not torch.where (slow with a bool mask): with w the 0/1 mask
+    # and f = (w - 1) * finfo.max, a row's sum is w . x, its max is max(x + f) and its min is
+    # min(x - f), exact for finite x. Two (N, R) buffers per dtype in all: a fresh temporary per
+    # reduction costs more in page faults than the arithmetic.
+    names = ["advantages", "returns"] + (["values"] if use_critic else [])
+    distinct = {id(batch[name]): batch[name] for name in names}  # outcome estimators return one tensor as both
     empty = n_valid == 0
-    weight = None
-    computed: dict[int, dict[str, torch.Tensor]] = {}  # outcome estimators return one tensor as both
-    for name in ["advantages", "returns"] + (["values"] if use_critic else []):
-        x = batch[name]
-        if weight is None or weight.dtype != x.dtype:
-            weight = valid.view(torch.uint8).to(x.dtype)  # via uint8: bool -> float is a slow path in torch
-            fence = (weight - 1).mul_(torch.finfo(x.dtype).max)
-            masked, scratch = torch.empty_like(x), torch.empty_like(x)
-        if id(x) not in computed:
-            torch.mul(x, weight, out=masked)
-            computed[id(x)] = {
-                "sum": masked.sum(-1),
-                "max": torch.add(masked, fence, out=scratch).amax(-1).masked_fill_(empty, -torch.inf),
-                "min": torch.sub(masked, fence, out=scratch).amin(-1).masked_fill_(empty, torch.inf),
+    reduced: dict[int, dict[str, torch.Tensor]] = {}
+    for dtype in {x.dtype for x in distinct.values()}:
+        xs = {key: x for key, x in distinct.items() if x.dtype == dtype}
+        weight = valid.view(torch.uint8).to(dtype)  # via uint8: bool -> float is a slow path in torch
+        sums = {key: torch.linalg.vecdot(x, weight) for key, x in xs.items()}
+        fence = weight.sub_(1).mul_(torch.finfo(dtype).max)  # w becomes f in place
+        scratch = torch.empty_like(fence)
+        for key, x in xs.items():
+            reduced[key] = {
+                "sum": sums[key],
+                "max": torch.add(x, fence, out=scratch).amax(-1).masked_fill_(empty, -torch.inf),
+                "min": torch.sub(x, fence, out=scratch).amin(-1).masked_fill_(empty, torch.inf),
             }
-        columns.update({f"{name}_{stat}": value for stat, value in computed[id(x)].items()})
+    for name in names:
+        columns.update({f"{name}_{stat}": value for stat, value in reduced[id(batch[name])].items()})
     if use_critic:
         returns = torch.where(valid, batch["returns"], 0).double()
         diff = returns - torch.where(valid, batch["values"], 0).double()
         columns["returns_sq_sum"] = (returns * returns).sum(-1)
         columns["diff_sum"] = diff.sum(-1)
         columns["diff_sq_sum"] = (diff * diff).sum(-1)
-    meta = {"max_prompt_length": max_prompt_length, "max_response_length": max_response_length,
-            "use_critic": use_critic}
-    return Batch(columns, meta=meta)
+    table = torch.stack([column.double() for column in columns.values()], dim=1).numpy()
+    return RowStats(table, tuple(columns), max_prompt_length, max_response_length, use_critic)
 
 
-def summarize(stats: Batch, suffix: str = "") -> dict[str, float]:
+def summarize(stats: RowStats, suffix: str = "") -> dict[str, float]:
     """The data metrics of the rows in ``stats`` (see :func:`compute_data_metrics`); ``{}`` when empty."""
     if len(stats) == 0:
         return {}
     # The per-row statistics are short vectors: NumPy in float64 reduces them faster than torch.
-    row = {name: stats[name].double().numpy() for name in stats.keys()}
+    row = dict(zip(stats.names, stats.table.T))
     out: dict[str, float] = {}
     for key, name in (("critic/score", "score"), ("critic/rewards", "reward"),
                       ("response_length", "response_length"), ("prompt_length", "prompt_length")):
         values = row[name]
         out.update({f"{key}/mean": values.mean(), f"{key}/max": values.max(), f"{key}/min": values.min()})
     n = row["n_valid"].sum()
-    for name in ["advantages", "returns"] + (["values"] if stats.meta["use_critic"] else []):
+    for name in ["advantages", "returns"] + (["values"] if stats.use_critic else []):
         if n > 0:
             out.update({f"critic/{name}/mean": row[f"{name}_sum"].sum() / n,
                         f"critic/{name}/max": row[f"{name}_max"].max(),
                         f"critic/{name}/min": row[f"{name}_min"].min()})
         else:  # verl reports NaN rather than failing when no token is selected
             out.update({f"critic/{name}/{stat}": math.nan for stat in ("mean", "max", "min")})
-    if stats.meta["use_critic"]:
+    if stats.use_critic:
         out["critic/vf_explained_var"] = 1.0 - _variance(row["diff_sum"], row["diff_sq_sum"], n) / (
             _variance(row["returns_sum"], row["returns_sq_sum"], n) + 1e-5)
-    out["response_length/clip_ratio"] = (row["response_length"] == stats.meta["max_response_length"]).mean()
-    out["prompt_length/clip_ratio"] = (row["prompt_length"] == stats.meta["max_prompt_length"]).mean()
+    out["response_length/clip_ratio"] = (row["response_length"] == stats.max_response_length).mean()
+    out["prompt_length/clip_ratio"] = (row["prompt_length"] == stats.max_prompt_length).mean()
     return {key + suffix: float(value) for key, value in out.items()}
 
 
