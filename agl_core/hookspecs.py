@@ -42,10 +42,11 @@ if TYPE_CHECKING:
     from agl_core.data import Batch, Rollout, Task
 
 PROJECT = "agl"
-HOOK_API_VERSION = "1.0"
+HOOK_API_VERSION = "1.1"
 """Version of this contract. A plugin declares the version it was written
 against as ``AGL_HOOK_API``; the major numbers must match and the plugin's minor
-number may not be newer than the core's."""
+number may not be newer than the core's. 1.1 added ``register_actor_transforms``
+and ``export_model``."""
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 
