@@ -57,15 +57,17 @@ def agg_loss(
     and the gradients averaged across ranks equal those of the global mean. With the
     defaults (dp_size=1, counts None) the counts are the local ones.
 
+    ``loss_mask`` is 0/1 (bool, int or float); a token counts where it is non-zero.
     Returns a 0-dim tensor. An all-zero mask gives NaN in the mean modes, as in verl.
     Matches ``verl.trainer.ppo.core_algos.agg_loss`` (0.9.1), all keyword arguments included.
     """
-    masked = torch.where(loss_mask.bool(), loss_mat, 0.0)
+    selected = loss_mask.bool()  # counting it reads an eighth of an int64 mask's bytes
+    masked = torch.where(selected, loss_mat, 0.0)
     if loss_agg_mode == "token-mean":
         if batch_num_tokens is None:
             if dp_size > 1:
                 raise ValueError("token-mean with dp_size > 1 needs the global batch_num_tokens")
-            batch_num_tokens = loss_mask.sum()
+            batch_num_tokens = selected.sum()
         return masked.sum() / batch_num_tokens * dp_size
     if loss_agg_mode == "token-sum":
         # Ranks average their gradients, so scaling by dp_size yields the global sum.
@@ -73,7 +75,7 @@ def agg_loss(
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {LOSS_AGG_MODES}")
 
-    tokens_per_row = loss_mask.sum(dim=-1)
+    tokens_per_row = selected.sum(dim=-1)
     seq_loss = masked.sum(dim=-1)
     if loss_agg_mode == "seq-mean-token-mean":
         seq_loss = seq_loss / (tokens_per_row + 1e-8)
