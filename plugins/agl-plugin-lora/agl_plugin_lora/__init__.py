@@ -7,6 +7,7 @@ disabled. Modules, one idea each:
 - ``settings``: the recipe section ``plugins.lora``
 - ``adapter``: putting a LoRA adapter on a transformers model, and switching it off
 - ``embedded``: the embedded backend (agl-plugin-torch): the actor transform that adapts it, the reference pass
+- ``verl_backend``: the verl backend (agl-plugin-verl): the start-up check, the reference from verl's actor
 - ``startup``: the start-up check that the reference slot is this plugin's
 - ``export``: a checkpoint's adapter, alone or merged into a plain Hugging Face model (``agl export``)
 - ``plugin``: the hook implementations

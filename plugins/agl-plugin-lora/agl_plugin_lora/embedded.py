@@ -15,16 +15,18 @@ the adapter, with no LoRA code in the backend.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
 
 from agl_core.data import Batch
 
-from agl_plugin_torch.backend import Backend
-
 from agl_plugin_lora.adapter import adapter_disabled, add_adapter
 from agl_plugin_lora.startup import NAME, check_reference_slot
+
+if TYPE_CHECKING:  # agl-plugin-torch is needed only when it is the backend
+    from agl_plugin_torch.backend import Backend
 
 log = logging.getLogger("agl_plugin_lora")
 

@@ -20,7 +20,10 @@ def check_reference_slot(ctx) -> None:
     reference from elsewhere, may not even be this actor's base model. A
     recipe that names another plugin in ``plugins.slots.compute_ref_logprob``
     gets what it asked for, with a warning. A run without a KL term resolves
-    no reference slot and passes.
+    no reference slot and passes. The embedded backend runs this check
+    before it adapts its actor; on verl this plugin's ``on_train_start`` runs
+    it, after refusing verl itself as the owner (with LoRA verl has no
+    separate reference to give).
     """
     if REF_SLOT not in ctx.slots:
         return

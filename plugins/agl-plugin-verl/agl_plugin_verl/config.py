@@ -1,6 +1,6 @@
 """verl's configuration for a run: verl's own defaults, the recipe's shared keys translated, then ``plugins.verl``.
 
-Three layers, in this order:
+Four layers, in this order:
 
 1. verl's ``ppo_trainer`` defaults, composed from the YAML files verl ships
    with Hydra, exactly as ``python -m verl.trainer.main_ppo`` composes them.
@@ -16,6 +16,9 @@ Three layers, in this order:
    1e-6``). A key verl does not have is an error unless written ``+key`` (verl's
    CLI convention for adding a key). Setting a key the translation sets is an
    error naming both keys: the recipe says it once, in agl_core's words.
+
+Finally :func:`check_lora` refuses the LoRA settings (``plugins.lora``) that
+verl cannot honour, naming each key: none is silently dropped.
 """
 
 from __future__ import annotations
@@ -89,12 +92,57 @@ def _sampling(field: str) -> Callable[[Recipe], float]:
     return value
 
 
+LORA = "lora"
+"""The plugin (agl-plugin-lora) whose recipe section ``plugins.lora`` drives verl's LoRA options."""
+
+
+def lora_section(recipe: Recipe) -> dict[str, Any] | None:
+    """The recipe's LoRA settings, or None without LoRA.
+
+    When plugin ``lora`` is active its validated section, every key with its
+    default included (``plugins: [verl, lora]`` alone means rank 8, not verl's
+    rank 0); a recipe not validated against its plugins has only the keys it
+    writes under ``plugins.lora``.
+    """
+    validated = recipe.plugin_config.get(LORA)
+    if validated is not None:
+        return validated.model_dump()
+    section = recipe.plugins.sections.get(LORA)
+    return None if section is None else dict(section)
+
+
 def _lora(key: str) -> Callable[[Recipe], Any]:
     def value(recipe: Recipe) -> Any:
-        section = recipe.plugins.sections.get("lora") or {}
-        return section.get(key)
+        return (lora_section(recipe) or {}).get(key)
 
     return value
+
+
+def _lora_alpha(recipe: Recipe) -> Any:
+    # verl's lora_alpha is an integer (its dataclass, its checkpoint metadata); 16.0 is 16. A fractional alpha
+    # is refused by check_lora.
+    alpha = _lora("alpha")(recipe)
+    return int(alpha) if isinstance(alpha, float) and alpha.is_integer() else alpha
+
+
+FSDP_STRATEGIES = ("fsdp", "fsdp2")
+"""verl actor strategies whose engine reads the LoRA keys the translation sets (``model.lora_rank``, ...)."""
+
+LORA_REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "dropout": (lambda value: bool(value),
+                "verl's FSDP engine builds its peft LoraConfig without lora_dropout, so the adapter trains "
+                "without dropout; set plugins.lora.dropout=0"),
+    "modules_to_save": (lambda value: bool(value),
+                        "verl's FSDP engine builds its peft LoraConfig without modules_to_save (it has no key for "
+                        "them): only the adapter on target_modules trains; leave plugins.lora.modules_to_save empty"),
+    "alpha": (lambda value: value is not None and not float(value).is_integer(),
+              "verl's lora_alpha is an integer; use a whole number"),
+}
+"""``plugins.lora`` keys (and the values) verl cannot honour, and why; :func:`check_lora` refuses them.
+
+Every key of the lora section is either translated (:data:`TRANSLATION`) or
+listed here, so none is silently ignored on this backend (a test checks it).
+"""
 
 
 TRANSLATION: tuple[Translation, ...] = (
@@ -133,7 +181,7 @@ TRANSLATION: tuple[Translation, ...] = (
     _same("trainer.critic_warmup", "trainer.critic_warmup"),
     # LoRA keys come from the recipe section of agl-plugin-lora, when the recipe has one.
     Translation("plugins.lora.rank", "actor_rollout_ref.model.lora_rank", _lora("rank")),
-    Translation("plugins.lora.alpha", "actor_rollout_ref.model.lora_alpha", _lora("alpha")),
+    Translation("plugins.lora.alpha", "actor_rollout_ref.model.lora_alpha", _lora_alpha),
     Translation("plugins.lora.target_modules", "actor_rollout_ref.model.target_modules", _lora("target_modules")),
 )
 """agl_core key → verl key, for every recipe key the two share."""
@@ -142,8 +190,8 @@ TRANSLATION: tuple[Translation, ...] = (
 def translate(recipe: Recipe) -> dict[str, tuple[Any, str]]:
     """``{verl_key: (value, agl_key)}`` for every translation that applies to ``recipe``.
 
-    A LoRA row applies only when the recipe has a ``plugins.lora`` section
-    that sets the key.
+    A LoRA row applies only with LoRA settings (:func:`lora_section`) that
+    hold the key.
     """
     out = {}
     for row in TRANSLATION:
@@ -277,4 +325,29 @@ def build_verl_config(recipe: Recipe, section: VerlSection | Mapping[str, Any] |
     for key, value in overrides.items():
         _set(cfg, key, value, f"plugins.verl.{key.lstrip('+')}")
     OmegaConf.resolve(cfg)
+    check_lora(recipe, cfg)
     return cfg
+
+
+def check_lora(recipe: Recipe, cfg: DictConfig) -> None:
+    """Refuse LoRA settings of plugin ``lora`` that verl cannot honour; the error names each key and the backend.
+
+    The keys of :data:`LORA_REFUSED`, and an actor engine other than FSDP
+    (``actor.strategy``: Megatron's reads ``model.lora.*``, which the
+    translation does not set; it would train without the adapter while verl
+    takes the reference from the actor).
+    """
+    section = lora_section(recipe)
+    if section is None:
+        return
+    problems = [f"plugins.{LORA}.{key}={section[key]!r}: {why}"
+                for key, (refused, why) in LORA_REFUSED.items() if key in section and refused(section[key])]
+    strategy = cfg.actor_rollout_ref.actor.strategy
+    if strategy not in FSDP_STRATEGIES:
+        problems.append(f"plugins.{LORA} with actor_rollout_ref.actor.strategy={strategy}: the LoRA keys are "
+                        f"translated onto verl's FSDP options (actor_rollout_ref.model.lora_rank, lora_alpha, "
+                        f"target_modules), which only verl's FSDP engine reads (Megatron's reads "
+                        f"actor_rollout_ref.model.lora.*)")
+    if problems:
+        raise ConfigError(f"the verl backend (plugin 'verl', verl {verl_version()}) cannot honour these LoRA "
+                          f"settings of plugin {LORA!r}:\n  " + "\n  ".join(problems))

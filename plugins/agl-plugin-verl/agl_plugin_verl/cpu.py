@@ -8,7 +8,10 @@ is registered under the same strategy names for ``cpu``: a plain
 transformers model (``AutoModelForCausalLM``, or
 ``AutoModelForTokenClassification`` with one label for the critic, as
 verl's value engine uses) whose gradients are averaged over the data-parallel
-ranks with gloo, as FSDP averages them.
+ranks with gloo, as FSDP averages them. With ``model.lora_rank > 0`` the
+actor carries the peft LoRA adapter verl's FSDP engine would put on it (only
+the adapter trains) and ``disable_adapter`` gives the base model, which is
+how verl's worker computes the reference of a LoRA actor (``no_lora_adapter``).
 
 Everything around the engine is verl's: the worker classes and their
 ``@register`` dispatch, the no-padding TensorDict protocol, micro-batching
@@ -69,8 +72,20 @@ class CpuEngine(BaseEngine):
     def is_value_model(self) -> bool:
         return self.model_config.model_type == "value_model"
 
+    @property
+    def is_lora(self) -> bool:
+        """Whether the model carries a LoRA adapter: ``model.lora_rank > 0``, the test verl's FSDP engine makes."""
+        return self.model_config.lora_rank > 0
+
+    def disable_adapter(self):
+        """The base model for the block (verl's worker asks for it with ``no_lora_adapter``: the reference)."""
+        return self.module.disable_adapter() if self.is_lora else nullcontext()
+
     def initialize(self) -> None:
         """Load the model from ``model_config.local_path``; unless forward-only, verl's optimizer and a constant LR.
+
+        With ``lora_rank > 0`` the actor gets verl's peft adapter (the one verl's
+        FSDP engine makes, from the same keys) and only the adapter trains.
 
         The LR is verl's constant schedule with ``lr_warmup_steps`` of warm-up
         (``lr_scheduler_type`` is not read: nothing trained on a CPU runs long
@@ -84,16 +99,23 @@ class CpuEngine(BaseEngine):
         path = self.model_config.local_path
         torch.manual_seed(getattr(self.engine_config, "seed", 0))  # a fresh value head is random: reproducible runs
         if self.is_value_model:
+            if self.is_lora:
+                raise NotImplementedError("the CPU engine puts LoRA on the actor only, not on the critic "
+                                          "(critic.model.lora_rank > 0)")
             self.module = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
         else:
             self.module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        # Rank 0's weights everywhere (a fresh value head is random), as FSDP's sync_module_states does.
+        if self.is_lora:
+            self.module = _lora_module(self, self.module)
+        # Rank 0's weights everywhere (a fresh value head, a fresh adapter's A are random), as FSDP's
+        # sync_module_states does.
         for param in self.module.parameters():
             torch.distributed.broadcast(param.data, src=0)
         if self.engine_config.forward_only:
             self.module.requires_grad_(False)
             return
-        self.optimizer = build_optimizer(self.module.parameters(), self.optimizer_config)
+        trainable = [param for param in self.module.parameters() if param.requires_grad]  # the adapter, with LoRA
+        self.optimizer = build_optimizer(trainable, self.optimizer_config)
         warmup = max(0, self.optimizer_config.lr_warmup_steps)
         self.lr_scheduler = get_constant_schedule_with_warmup(optimizer=self.optimizer, num_warmup_steps=warmup)
 
@@ -203,6 +225,20 @@ class CpuEngine(BaseEngine):
 
     def get_per_tensor_param(self, **kwargs):
         return ((name, param.detach()) for name, param in self.module.named_parameters()), None
+
+
+def _lora_module(engine: CpuEngine, module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` wrapped in the peft LoRA model verl's FSDP engine builds from ``engine.model_config``.
+
+    verl's own builder (``FSDPEngine._build_lora_module``: ``lora_rank``,
+    ``lora_alpha``, ``target_modules``, ``exclude_modules``,
+    ``target_parameters``, or a pre-trained ``lora_adapter_path``) reads
+    nothing of the engine but its model config, so the CPU actor carries the
+    very adapter a GPU run would.
+    """
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    return FSDPEngine._build_lora_module(engine, module)
 
 
 class _ModeContext(BaseEngineCtx):

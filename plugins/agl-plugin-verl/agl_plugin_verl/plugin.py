@@ -16,16 +16,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from agl_core import HOOK_API_VERSION, hookimpl
 from agl_core.config import ConfigError
 from agl_core.plugins import PluginError
 
 from agl_plugin_verl import calls
 from agl_plugin_verl.compat import is_verl_0_7, verl_version
-from agl_plugin_verl.config import VerlSection, build_verl_config
+from agl_plugin_verl.config import LORA, VerlSection, build_verl_config
 
 AGL_HOOK_API = HOOK_API_VERSION
 NAME = "verl"
+REF_SLOT = "compute_ref_logprob"
 CHECKPOINT_DIR = "verl"
 """Sub-directory of an agl_core checkpoint where verl's checkpoint managers write (``actor/``, ``critic/``)."""
 
@@ -66,6 +69,44 @@ def run_of(ctx) -> VerlRun:
 
 def _owns(ctx, hook: str) -> bool:
     return ctx.slots.get(hook, (None, None))[0] == NAME
+
+
+def check_lora_reference(ctx) -> None:
+    """Refuse the reference slot for verl itself while plugin ``lora`` is active: verl can give no separate reference.
+
+    With LoRA (``actor_rollout_ref.model.lora_rank > 0``, translated from
+    ``plugins.lora``) verl takes the reference from the actor with its adapter
+    disabled and builds no reference model, whatever else the recipe says, so
+    a recipe that names ``verl`` for the slot asks for something it cannot
+    have. Run before the workers are built; agl-plugin-lora calls it too, so
+    the refusal does not depend on which plugin's ``on_train_start`` runs first.
+    """
+    if LORA in ctx.config.plugin_config and _owns(ctx, REF_SLOT):
+        raise PluginError(
+            f"plugins.slots.{REF_SLOT}={NAME} asks for a separate reference model, but LoRA is active "
+            f"(plugin {LORA!r}) and verl takes the reference from the actor with its adapter disabled whenever "
+            f"actor_rollout_ref.model.lora_rank > 0: a separate reference cannot be had with LoRA on verl; "
+            f"set plugins.slots.{REF_SLOT}={LORA}, or drop plugin {LORA!r} to fine-tune in full against a "
+            f"reference model")
+
+
+def reference_logprobs(ctx, batch) -> torch.Tensor:
+    """Reference log-probs of ``batch`` from verl's workers, as verl's ``RayPPOTrainer._compute_ref_log_prob``.
+
+    With LoRA on the actor (verl's ``ref_in_actor``) the actor worker group
+    computes them with its adapter disabled (``no_lora_adapter``), and verl
+    builds no reference model; otherwise the reference worker group does. The
+    reference slot of this plugin and of agl-plugin-lora on this backend both
+    call this.
+    """
+    run = run_of(ctx)
+    groups = run.groups
+    group = groups.actor if groups.layout.ref_in_actor else groups.ref
+    if group is None:
+        raise PluginError(f"verl built no reference model: plugin {NAME!r} did not fill the slot {REF_SLOT!r} "
+                          f"when its workers started, and the actor carries no LoRA adapter")
+    return calls.compute_ref_log_prob(group, batch, run.config.actor_rollout_ref.rollout.temperature,
+                                      groups.layout.ref_in_actor)
 
 
 def _check_batch_sizes(recipe, cfg) -> int:
@@ -132,11 +173,14 @@ def on_train_start(ctx):
 
     cfg = build_verl_config(ctx.config, ctx.plugin_config(NAME))
     world = _check_batch_sizes(ctx.config, cfg)
+    check_lora_reference(ctx)
     registrations = Registrations.from_components(ctx.components)
     install(registrations)  # the driver's registry too: verl code run here looks names up
     state = state_of(ctx)
     state.started_ray = _start_ray(cfg)
-    groups = workers.build(cfg, needs_ref=_owns(ctx, "compute_ref_logprob"),
+    # A reference model only when this plugin fills the slot (with LoRA from plugin 'lora' that slot is lora's,
+    # which calls reference_logprobs: the actor with its adapter disabled, no reference model).
+    groups = workers.build(cfg, needs_ref=_owns(ctx, REF_SLOT),
                            needs_critic=_owns(ctx, "compute_values") or _owns(ctx, "update_critic"),
                            registrations=registrations, verl_0_7=is_verl_0_7(version))
     state.run = VerlRun(cfg, version, groups)
@@ -198,9 +242,7 @@ def compute_old_logprob(ctx, batch):
 
 @hookimpl
 def compute_ref_logprob(ctx, batch):
-    run = run_of(ctx)
-    batch["ref_log_prob"] = calls.compute_ref_log_prob(
-        run.groups.ref, batch, run.config.actor_rollout_ref.rollout.temperature, run.groups.layout.ref_in_actor)
+    batch["ref_log_prob"] = reference_logprobs(ctx, batch)
     return batch
 
 
