@@ -10,7 +10,7 @@
 #
 #   python -m venv .venv-gpu && . .venv-gpu/bin/activate
 #   pip install 'verl[vllm]==0.9.1'      # verl's GPU stack: torch 2.11.0 (CUDA), vLLM 0.24.0, transformers 5.9.0, Ray
-#   pip install -e . -e plugins/agl-plugin-traces -e plugins/agl-plugin-verl
+#   pip install -e . -e plugins/agl-plugin-traces -e plugins/agl-plugin-verl -e plugins/agl-plugin-lora  # lora: recipe_lora.yaml
 #
 # Do not install with -c constraints.txt here: it pins the CPU build of torch. flash-attn is not needed: the
 # recipe uses PyTorch's attention (sdpa) for training; vLLM brings its own kernels.

@@ -52,3 +52,5 @@ def test_recipe_loads_plans_and_translates(recipe, tmp_path):
     lora = recipe == "recipe_lora.yaml"
     assert (verl.actor_rollout_ref.model.lora_rank > 0) == lora
     assert ("compute_ref_logprob" in slots) == lora
+    if lora:  # the lora section, translated; the reference is the actor without its adapter
+        assert verl.actor_rollout_ref.model.lora_alpha == 32 and slots["compute_ref_logprob"][0] == "lora"
