@@ -3,18 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from agl_plugin_lora.settings import LoraSettings
+from agl_plugin_torch.testing import restore_torch_threads  # noqa: F401 (an autouse fixture)
 from lora_testkit import adapted_backend
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    # The backend sets torch's thread count for its run; give it back so other tests keep their own.
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

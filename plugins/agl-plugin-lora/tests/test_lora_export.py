@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from agl_plugin_lora.export import merge
 from agl_plugin_lora.settings import LoraSettings
-from lora_testkit import adapted_backend, sampled_rows
+from agl_plugin_torch.testing import sampled_rows
+from lora_testkit import adapted_backend
 from test_lora_reference import train
 
 SETTINGS = LoraSettings(rank=4, alpha=8, modules_to_save=["embed_tokens", "lm_head", "norm"])

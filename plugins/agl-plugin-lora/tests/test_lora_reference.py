@@ -12,7 +12,8 @@ from agl_plugin_torch import modeling, training
 
 from agl_plugin_lora.embedded import reference_logprobs
 from agl_plugin_lora.settings import LoraSettings
-from lora_testkit import adapted_backend, algorithm, policy_loss, sampled_rows
+from agl_plugin_torch.testing import policy_loss, sampled_rows
+from lora_testkit import adapted_backend, algorithm
 
 
 def base_copy(backend):

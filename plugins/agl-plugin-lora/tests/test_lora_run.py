@@ -29,7 +29,8 @@ from agl_core.plugins import PluginError
 from agl_plugin_torch.backend import ACTOR_DIR
 
 from agl_plugin_lora import plugin as lora_plugin
-from lora_testkit import sampled_rows, tiny_section
+from agl_plugin_torch.testing import sampled_rows
+from lora_testkit import tiny_section
 
 TASKS = [Task(id=f"t{i}", input={"text": f"guess a number {i}"}) for i in range(4)]
 PLUGINS = ["torch", "traces", "lora"]

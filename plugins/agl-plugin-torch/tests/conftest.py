@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from openai import OpenAI
 
 from agl_plugin_torch.backend import create
 from agl_plugin_torch.settings import TorchConfig
-from torch_testkit import tiny_section
-
-@pytest.fixture(autouse=True)
-def _threads():
-    # The backend sets torch's thread count for its run; give it back so other tests keep their own.
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+from agl_plugin_torch.testing import restore_torch_threads, tiny_section  # noqa: F401 (an autouse fixture)
 
 
 @pytest.fixture

@@ -24,10 +24,10 @@ from agl_core.config import load
 from agl_core.data import Task
 from agl_core.loop import Trainer
 
-from agl_plugin_torch.backend import ACTOR_DIR, create
+from agl_plugin_torch.backend import create
 from agl_plugin_torch.plugin import actor_transforms
 from agl_plugin_torch.settings import TorchConfig
-from torch_testkit import tiny_section
+from agl_plugin_torch.testing import tiny_section
 
 TASKS = [Task(id=f"t{i}", input={"text": f"guess a number {i}"}) for i in range(2)]
 

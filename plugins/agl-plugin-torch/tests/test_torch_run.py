@@ -26,7 +26,7 @@ from agl_core.testing import BatchRecorder
 from agl_plugin_torch import modeling
 from agl_plugin_torch.backend import ACTOR_DIR
 from torch_test_agents import RELEASE
-from torch_testkit import full_forward_logprobs, tiny_section
+from agl_plugin_torch.testing import full_forward_logprobs, tiny_section
 
 TASKS = [Task(id=f"t{i}", input={"text": f"guess a number {i}"}) for i in range(4)]
 NOT_REPRODUCIBLE = ("timing_s/", "timing_per_token_ms/", "perf/", "rollout/latency_s/")

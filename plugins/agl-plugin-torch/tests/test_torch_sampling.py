@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from agl_plugin_torch.sampling import LENGTH, STOP, SamplingParams, generate, sampling_distribution
-from torch_testkit import full_forward_logprobs, prompt, sample
+from agl_plugin_torch.testing import full_forward_logprobs, prompt, sample
 
 
 def test_logprobs_are_the_raw_model_distribution_whatever_the_batch(backend):

@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerFast
 
 from agl_plugin_torch.backend import create
 from agl_plugin_torch.settings import TorchConfig
-from torch_testkit import full_forward_logprobs, tiny_section
+from agl_plugin_torch.testing import full_forward_logprobs, tiny_section
 
 MESSAGES = [{"role": "user", "content": "guess a number"}, {"role": "assistant", "content": "5"},
             {"role": "user", "content": "higher"}]

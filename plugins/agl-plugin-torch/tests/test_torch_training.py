@@ -6,7 +6,7 @@ import torch
 from agl_plugin_torch import training
 from agl_plugin_torch.backend import create
 from agl_plugin_torch.settings import TorchConfig
-from torch_testkit import algorithm, policy_loss, sampled_rows, tiny_section
+from agl_plugin_torch.testing import algorithm, policy_loss, sampled_rows, tiny_section
 
 
 def test_the_ppo_loss_goes_down_on_a_fixed_batch(tmp_path):

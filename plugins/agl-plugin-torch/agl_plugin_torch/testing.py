@@ -1,8 +1,15 @@
-"""Helpers of the torch plugin's tests: a tiny model's recipe section, prompts, sampling, training rows."""
+"""Test helpers for the embedded backend and the plugins built on it (agl-plugin-lora, ...).
+
+A tiny llama made from a config (no download), prompts and samples from its
+backend, training rows laid out as the trace aggregators make them, and the
+pieces of a PPO update. Import them in tests; put :func:`restore_torch_threads`
+in a ``conftest.py`` (``from agl_plugin_torch.testing import restore_torch_threads``).
+"""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from agl_core.algorithms.losses import ppo_clip_loss
@@ -15,11 +22,19 @@ from agl_plugin_torch.sampling import SamplingParams, generate, left_pad, positi
 VOCABULARY = [str(i) for i in range(10)] + ["guess", "a", "number", "higher", "lower", "hello", "world", ","]
 
 
-def tiny_section(**overrides) -> dict:
-    """The ``plugins.torch`` section of a tiny llama (about 20k parameters) over :data:`VOCABULARY`."""
-    section = {"model": {"build": {"vocabulary": VOCABULARY, "hidden_size": 32, "num_layers": 1, "num_heads": 2,
-                                   "max_position_embeddings": 64}},
-               "actor": {"lr": 0.01, "weight_decay": 0.0}, "num_threads": 1}
+@pytest.fixture(autouse=True)
+def restore_torch_threads():
+    """The backend sets torch's thread count for its run; give it back so other tests keep their own."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_section(num_layers: int = 1, lr: float = 0.01, **overrides) -> dict:
+    """The ``plugins.torch`` section of a tiny llama (hidden 32, about 20k parameters a layer) over :data:`VOCABULARY`."""
+    section = {"model": {"build": {"vocabulary": VOCABULARY, "hidden_size": 32, "num_layers": num_layers,
+                                   "num_heads": 2, "max_position_embeddings": 64}},
+               "actor": {"lr": lr, "weight_decay": 0.0}, "num_threads": 1}
     section.update(overrides)
     return section
 
@@ -66,12 +81,12 @@ def rows(prompts, responses, prompt_width=12, response_width=8) -> Batch:
                  {"uid": np.array(["task"] * n, dtype=object)})
 
 
-def sampled_rows(backend, n=16, seed=0) -> Batch:
-    """``n`` sampled responses to one prompt as training rows, with their ``old_log_probs``."""
+def sampled_rows(backend, n=16, seed=0, max_tokens=6) -> Batch:
+    """``n`` sampled responses to one prompt as training rows, with their ``old_log_probs`` under the actor."""
     p = prompt(backend, "guess a number")
-    samples = sample(backend, [p] * n, [SamplingParams(max_tokens=6, ignore_eos=True)] * n,
+    samples = sample(backend, [p] * n, [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * n,
                      generator=torch.Generator().manual_seed(seed))
-    batch = rows([p] * n, [s.token_ids for s in samples])
+    batch = rows([p] * n, [s.token_ids for s in samples], response_width=max(8, max_tokens))
     batch["old_log_probs"], _ = backend.logprobs(backend.actor, batch, with_entropy=False)
     return batch
 
@@ -83,4 +98,5 @@ def policy_loss(old_log_prob, log_prob, advantages, response_mask, config):
 
 
 def algorithm(**overrides) -> AlgorithmConfig:
+    """The recipe's ``algorithm`` section for a small update: mini-batches of 16 rows, one epoch."""
     return AlgorithmConfig(**{"ppo_mini_batch_size": 16, "ppo_epochs": 1, **overrides})
