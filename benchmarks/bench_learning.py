@@ -34,11 +34,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from agl_core.timing import MODEL_STAGES
+
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "examples" / "guess_number" / "recipe.yaml"
 TARGET = 0.9
-MODEL_WORK = ("gen", "old_log_prob", "ref", "values", "update_actor", "update_critic")
-"""Stages whose time is generation, forward or backward: everything else in a step is the core's."""
 
 
 def read_records(path: Path) -> list[dict]:
@@ -72,7 +72,7 @@ def run_seed(seed: int, run_dir: Path, overrides: list[str]) -> dict:
         reached_at = wall  # reached in the last moments, between two polls
     steps = [r for r in records if r["step"] > 0 and "timing_s/step" in r]
     step_time = sum(r["timing_s/step"] for r in steps)
-    model_time = sum(r.get(f"timing_s/{stage}", 0.0) for r in steps for stage in MODEL_WORK)
+    model_time = sum(r.get(f"timing_s/{stage}", 0.0) for r in steps for stage in MODEL_STAGES)
     gen_time = sum(r.get("timing_s/gen", 0.0) for r in steps)
     sampling_time = sum(r.get("perf/gen_engine_cpu_s", 0.0) for r in steps)
     breakdown = {key: round(sum(r.get(key, 0.0) for r in steps), 3)

@@ -30,6 +30,7 @@ def test_train_the_quickstart_recipe(tmp_path):
     assert [m["step"] for m in lines] == [0, 1, 2, 3, 4, 5, 6]
     assert "val/reward/mean" in lines[0] and "val/reward/mean" in lines[3] and "val/reward/mean" in lines[6]
     assert "step 6:" in out.stdout  # the console logger
+    assert "timing over 6 steps" in out.stdout and "core's own share" in out.stdout  # and, at the end, the time
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["total_steps"] == 6
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["global_step_3", "global_step_6"]
 
