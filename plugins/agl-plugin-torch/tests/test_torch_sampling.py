@@ -77,3 +77,17 @@ def test_top_k_and_top_p_keep_the_most_likely_tokens():
     assert probs[2].tolist() == pytest.approx([1, 0, 0, 0])  # the most likely token always stays
     hot = sampling_distribution(logits[:1], torch.tensor([2.0]), torch.tensor([0]), torch.tensor([1.0]))
     assert hot[0].tolist() == pytest.approx((logits[0] / 2).softmax(-1).tolist())
+
+
+def test_sampled_tokens_follow_the_sampling_distribution():
+    from agl_plugin_torch.sampling import _Rows
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    logits = probs.log().expand(20_000, -1)
+    rows = _Rows([SamplingParams(max_tokens=1)] * 10_000 + [SamplingParams(max_tokens=1, seed=i) for i in range(10_000)],
+                 torch.device("cpu"))
+    tokens = rows.choose(logits, torch.Generator().manual_seed(0))
+    for drawn in (tokens[:10_000], tokens[10_000:]):  # the shared generator's rows, then the seeded rows
+        frequencies = torch.bincount(drawn, minlength=5) / len(drawn)
+        assert frequencies.tolist() == pytest.approx(probs.tolist(), abs=0.015)
+        assert frequencies[4] == 0  # a token with no probability is never drawn
