@@ -14,10 +14,8 @@ import pytest
 import torch
 
 from agl_core import HOOK_API_VERSION, hookimpl
-from agl_core.config import load
-from agl_core.loop import Trainer
 
-from verl_testkit import BanditRollouts, bandit_tasks, cpu_overrides, make_tiny_model, mean_baseline, ray_session
+from verl_testkit import BanditRollouts, first_and_resumed, mean_baseline, train_bandit
 
 ray = pytest.importorskip("ray")
 
@@ -50,28 +48,17 @@ class BridgeProbe:
 
 def train(run_dir, model_dir, total_steps: int, resume: str):
     bandit, probe = BanditRollouts(), BridgeProbe()
-    overrides = [
-        f"trainer.run_dir={run_dir}", "trainer.progress=false", f"trainer.total_steps={total_steps}",
-        "trainer.save_freq=2", f"trainer.resume={resume}", "trainer.val_before_train=false",
-        "data.train_batch_size=4", "data.max_prompt_length=4", "data.max_response_length=3", "rollout.n=2",
-        "algorithm.estimator=gae", "algorithm.ppo_mini_batch_size=4", "algorithm.ppo_epochs=2",
-        "algorithm.policy_loss.name=agl_test_clip",
-        "algorithm.policy_loss.use_kl_loss=true", "algorithm.policy_loss.entropy_coeff=0.01",
-        *cpu_overrides(model_dir),
-    ]
-    recipe, plugins = load(None, overrides, extra_plugins=[("bandit", bandit), ("bridge_probe", probe)])
-    trainer = Trainer(recipe, plugins, train_tasks=bandit_tasks(4), val_tasks=[])
-    trainer.fit()
+    trainer = train_bandit(run_dir, model_dir, total_steps, resume, [
+        "algorithm.estimator=gae", "algorithm.policy_loss.name=agl_test_clip",
+        "algorithm.policy_loss.entropy_coeff=0.01",
+    ], [("bandit", bandit), ("bridge_probe", probe)])
     return bandit, probe, trainer
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("verl_driver")
-    model_dir = make_tiny_model(root / "model")
-    with ray_session():
-        first = train(root / "run", model_dir, total_steps=2, resume="never")
-        resumed = train(root / "run", model_dir, total_steps=3, resume="auto")
+    _, first, resumed = first_and_resumed(root, train)
     return root, first, resumed
 
 

@@ -18,11 +18,9 @@ import pytest
 import torch
 
 from agl_core import HOOK_API_VERSION, hookimpl
-from agl_core.config import load
 from agl_core.data import Batch
-from agl_core.loop import Trainer
 
-from verl_testkit import TOKENS, BanditRollouts, bandit_tasks, cpu_overrides, make_tiny_model, ray_session
+from verl_testkit import TOKENS, BanditRollouts, first_and_resumed, train_bandit
 
 pytest.importorskip("agl_plugin_lora")
 ray = pytest.importorskip("ray")
@@ -85,28 +83,17 @@ class ReferenceProbe:
 
 def train(run_dir, model_dir, total_steps: int, resume: str):
     bandit, probe = BanditRollouts(), ReferenceProbe()
-    overrides = [
-        f"trainer.run_dir={run_dir}", "trainer.progress=false", f"trainer.total_steps={total_steps}",
-        "trainer.save_freq=2", f"trainer.resume={resume}", "trainer.val_before_train=false",
-        "data.train_batch_size=4", "data.max_prompt_length=4", "data.max_response_length=3", "rollout.n=2",
-        "algorithm.estimator=grpo", "algorithm.ppo_mini_batch_size=4", "algorithm.ppo_epochs=2",
-        "algorithm.policy_loss.use_kl_loss=true", "algorithm.policy_loss.kl_loss_coef=0.1",
+    trainer = train_bandit(run_dir, model_dir, total_steps, resume, [
+        "algorithm.estimator=grpo", "algorithm.policy_loss.kl_loss_coef=0.1",
         "plugins.lora.rank=4", "plugins.lora.alpha=8", "plugins.slots.compute_ref_logprob=lora",
-        *cpu_overrides(model_dir),
-    ]
-    recipe, plugins = load(None, overrides, extra_plugins=[("bandit", bandit), ("reference_probe", probe)])
-    trainer = Trainer(recipe, plugins, train_tasks=bandit_tasks(4), val_tasks=[])
-    trainer.fit()
+    ], [("bandit", bandit), ("reference_probe", probe)])
     return bandit, probe, trainer
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("verl_lora_driver")
-    model_dir = make_tiny_model(root / "model")
-    with ray_session():
-        first = train(root / "run", model_dir, total_steps=2, resume="never")
-        resumed = train(root / "run", model_dir, total_steps=3, resume="auto")
+    model_dir, first, resumed = first_and_resumed(root, train)
     return root, model_dir, first, resumed
 
 

@@ -20,7 +20,9 @@ import torch
 
 from agl_core import HOOK_API_VERSION, hookimpl
 from agl_core.algorithms.losses import ppo_clip_loss
+from agl_core.config import load
 from agl_core.data import Batch, Rollout, Triplet
+from agl_core.loop import Trainer
 
 WORDS = [f"w{i}" for i in range(12)]
 
@@ -152,6 +154,37 @@ def bandit_tasks(n: int) -> list:
     from agl_core.data import Task
 
     return [Task(id=f"t{i}", input={"prompt_ids": [3 + i % 4, 4, 5]}) for i in range(n)]
+
+
+BANDIT_RUN = [
+    "trainer.progress=false", "trainer.save_freq=2", "trainer.val_before_train=false",
+    "data.train_batch_size=4", "data.max_prompt_length=4", "data.max_response_length=3", "rollout.n=2",
+    "algorithm.ppo_mini_batch_size=4", "algorithm.ppo_epochs=2", "algorithm.policy_loss.use_kl_loss=true",
+]
+"""The recipe of a short bandit run with a KL loss and a checkpoint every 2 steps (the driver tests add the rest)."""
+
+
+def train_bandit(run_dir: Path, model_dir: Path, total_steps: int, resume: str, overrides: list[str],
+                 extra_plugins: list) -> Trainer:
+    """Train the bandit (a :class:`BanditRollouts` among ``extra_plugins``) on verl's CPU workers."""
+    recipe, plugins = load(None, [f"trainer.run_dir={run_dir}", f"trainer.total_steps={total_steps}",
+                                  f"trainer.resume={resume}", *BANDIT_RUN, *overrides, *cpu_overrides(model_dir)],
+                           extra_plugins=extra_plugins)
+    trainer = Trainer(recipe, plugins, train_tasks=bandit_tasks(4), val_tasks=[])
+    trainer.fit()
+    return trainer
+
+
+def first_and_resumed(root: Path, train) -> tuple[Path, object, object]:
+    """``(model_dir, first, resumed)``: ``train`` two steps (a checkpoint at step 2), then resumed to step 3.
+
+    ``train(run_dir, model_dir, total_steps, resume)``; both in one Ray session, on a tiny model in ``root``.
+    """
+    model_dir = make_tiny_model(root / "model")
+    with ray_session():
+        first = train(root / "run", model_dir, total_steps=2, resume="never")
+        resumed = train(root / "run", model_dir, total_steps=3, resume="auto")
+    return model_dir, first, resumed
 
 
 @contextmanager
