@@ -40,6 +40,14 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
+def locate(path: Path) -> tuple[Path, Path | None]:
+    """``(run_dir, checkpoint)`` of ``path``, a checkpoint or a run directory (then its latest checkpoint, or None)."""
+    path = Path(path)
+    if (path / CORE_STATE).is_file():
+        return path.parent.parent, path  # <run_dir>/checkpoints/global_step_<N>
+    return path, latest_checkpoint(path)
+
+
 def save(run_dir: Path, step: int, core_state: dict[str, Any], manifest: list[dict],
          write_plugins: Callable[[str], None]) -> Path:
     """Write checkpoint ``step``: plugins first, then the core state, then an atomic rename."""

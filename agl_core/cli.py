@@ -146,15 +146,12 @@ def cmd_doctor(args) -> int:
 
 def cmd_export(args) -> int:
     """Ask the plugins of the run's recipe to export its checkpoint; exactly one must (hook ``export_model``)."""
-    from agl_core.checkpoint import CORE_STATE, latest_checkpoint
+    from agl_core.checkpoint import locate
     from agl_core.components import Components
     from agl_core.context import TrainContext
 
     given = Path(args.run_dir)
-    if (given / CORE_STATE).is_file():
-        checkpoint, run_dir = given, given.parent.parent
-    else:
-        run_dir, checkpoint = given, latest_checkpoint(given)
+    run_dir, checkpoint = locate(given)
     recipe_file = run_dir / "config.yaml"
     if not recipe_file.is_file():
         raise ValueError(f"{given} is not a run directory or a checkpoint of one: {recipe_file} does not exist")
