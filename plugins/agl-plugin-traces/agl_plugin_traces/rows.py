@@ -28,7 +28,7 @@ import torch
 
 from agl_core.data import Batch, LogProbs, TokenIds
 
-_ITEM = 8  # bytes per packed token id or log-prob
+_ITEM = 8  # bytes per packed token id or log-prob (TokenIds, LogProbs: 64-bit items)
 _ORDER = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask",
           "token_level_scores", "is_drop_mask", "rollout_log_probs")  # the order of the batch's tensors
 
@@ -98,7 +98,7 @@ class RowBuilder:
         self._open = True
         self._laid_out = None
         packed = prompt_ids.packed
-        n, P = len(packed) // _ITEM, self.P
+        n, P = len(prompt_ids), self.P
         self.first_turn.append(len(self.response))
         self.prompt_src.append(packed)
         overflow = n > P and overflow_to_response

@@ -88,8 +88,8 @@ def trajectory_batch(rollouts: Iterable[Rollout], max_prompt_length: int, max_re
                 if (len(packed) >= n_before + len(said) and packed.startswith(before)
                         and packed.startswith(said, n_before)):
                     # What follows the previous context is new (possibly nothing), then the model speaks.
-                    rows.add_turn((len(packed) - n_before - len(said)) // 8, len(call.response_ids.packed) // 8,
-                                  call.logprobs, own)
+                    rows.add_turn(len(prompt) - len(previous.prompt_ids) - len(previous.response_ids),
+                                  len(call.response_ids), call.logprobs, own)
                     previous = call
                     continue
                 rows.end(previous.prompt_ids, previous.response_ids, uid, rollout_id, first_turn, reward)
@@ -104,7 +104,7 @@ def trajectory_batch(rollouts: Iterable[Rollout], max_prompt_length: int, max_re
                                            "context_ids": context, "prompt_ids": prompt_list})
             rows.begin(prompt, overflow_to_response=overflow_to_response and turn > 0)
             first_turn = turn
-            rows.add_turn(0, len(call.response_ids.packed) // 8, call.logprobs, own)
+            rows.add_turn(0, len(call.response_ids), call.logprobs, own)
             previous = call
         if previous is not None:
             rows.end(previous.prompt_ids, previous.response_ids, uid, rollout_id, first_turn, reward)
