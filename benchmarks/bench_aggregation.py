@@ -57,7 +57,6 @@ import statistics
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -65,6 +64,7 @@ from pydantic import BaseModel
 
 from agl_core.data import Batch, Rollout, Span
 from agl_plugin_traces.trajectory import trajectory_batch
+from procmem import reset_peak, status_bytes
 
 MAX_PROMPT, MAX_RESPONSE = 256, 2048
 
@@ -283,14 +283,6 @@ def output_bytes(batch: Batch) -> int:
     return sum(t.numel() * t.element_size() for t in batch.tensors.values())
 
 
-def _status_bytes(field: str) -> int:
-    """A memory figure of this process from /proc/self/status (Linux), in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
 def peak_bytes(fn: Callable[[], Batch]) -> int:
     """Peak resident memory that ``fn`` adds while it runs.
 
@@ -303,10 +295,10 @@ def peak_bytes(fn: Callable[[], Batch]) -> int:
     """
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")
-    before = _status_bytes("VmRSS")
+    reset_peak()
+    before = status_bytes("VmRSS")
     result = fn()
-    peak = _status_bytes("VmHWM")
+    peak = status_bytes("VmHWM")
     del result
     return peak - before
 

@@ -56,19 +56,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-
-def rss_bytes(field: str) -> int:
-    """A memory field of this process from ``/proc/self/status`` (``VmRSS``, ``VmHWM``), in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def reset_peak() -> None:
-    """Make ``VmHWM`` restart from the current resident set (Linux >= 4.0)."""
-    Path("/proc/self/clear_refs").write_text("5")
+from procmem import reset_peak, status_bytes
 
 
 def random_rows(vocab: int, rows: int, prompt: int, response: int, seed: int = 0):
@@ -83,14 +71,6 @@ def random_rows(vocab: int, rows: int, prompt: int, response: int, seed: int = 0
                   "position_ids": torch.arange(prompt + response).expand(rows, -1).clone(),
                   "advantages": torch.randn(rows, response, generator=gen)},
                  {"uid": np.array([f"t{i // 4}" for i in range(rows)], dtype=object)})
-
-
-def policy_loss(old_log_prob, log_prob, advantages, response_mask, config):
-    """The ``vanilla`` policy loss, as the core's estimators plugin registers it."""
-    from agl_core.algorithms.losses import ppo_clip_loss
-
-    return ppo_clip_loss(old_log_prob, log_prob, advantages, response_mask, clip_ratio=config.clip_ratio,
-                         loss_agg_mode=config.loss_agg_mode)
 
 
 def make_backend(mode: str, args: argparse.Namespace, run_dir: Path, hidden: int, layers: int, heads: int):
@@ -121,6 +101,7 @@ def make_backend(mode: str, args: argparse.Namespace, run_dir: Path, hidden: int
 
 def step(mode: str, backend, batch, rows: int) -> None:
     """What the loop does with a KL loss: old log-probs, reference log-probs, one PPO update."""
+    from agl_core.builtin.estimators import vanilla_policy_loss
     from agl_core.config import AlgorithmConfig
     from agl_plugin_torch import training
 
@@ -131,8 +112,8 @@ def step(mode: str, backend, batch, rows: int) -> None:
     batch["old_log_probs"] = backend.logprobs(backend.actor, batch, with_entropy=False)[0]
     batch["ref_log_prob"] = (reference_logprobs(backend, batch) if mode == "lora" else
                              backend.logprobs(backend.reference(), batch, with_entropy=False)[0])
-    training.update_actor(backend.actor, backend.actor_optim, backend.actor_sched, batch, algorithm, policy_loss,
-                          backend.config.actor)
+    training.update_actor(backend.actor, backend.actor_optim, backend.actor_sched, batch, algorithm,
+                          vanilla_policy_loss, backend.config.actor)
 
 
 def measure(mode: str, args: argparse.Namespace) -> dict:
@@ -151,17 +132,17 @@ def measure(mode: str, args: argparse.Namespace) -> dict:
         tiny = make_backend(mode, args, Path(tmp) / "tiny", hidden=32, layers=1, heads=2)
         step(mode, tiny, random_rows(len(tiny.tokenizer), args.rows, args.prompt, args.response), args.rows)
         del tiny
-        runtime = rss_bytes("VmRSS")
+        runtime = status_bytes("VmRSS")
         backend = make_backend(mode, args, Path(tmp) / "model", args.hidden, args.layers, args.heads)
         batch = random_rows(len(backend.tokenizer), args.rows, args.prompt, args.response)
         figures = {}
         for name in ("first_step", "step"):
-            figures[f"{name}_rss_before_bytes"] = rss_bytes("VmRSS")
+            figures[f"{name}_rss_before_bytes"] = status_bytes("VmRSS")
             reset_peak()
             start = time.perf_counter()
             step(mode, backend, batch, args.rows)
             figures[f"{name}_s"] = round(time.perf_counter() - start, 3)
-            figures[f"{name}_peak_bytes"] = rss_bytes("VmHWM")
+            figures[f"{name}_peak_bytes"] = status_bytes("VmHWM")
     return {"params": sum(p.numel() for n, p in backend.actor.named_parameters() if "lora_" not in n),
             "trainable": sum(p.numel() for p in backend.actor.parameters() if p.requires_grad),
             "runtime_bytes": runtime, **figures}

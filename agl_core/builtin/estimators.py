@@ -56,10 +56,11 @@ def register_estimators(register):
 
 @hookimpl
 def register_policy_losses(register):
-    register("vanilla", _vanilla_policy_loss)
+    register("vanilla", vanilla_policy_loss)
 
 
-def _vanilla_policy_loss(old_log_prob, log_prob, advantages, response_mask, config):
+def vanilla_policy_loss(old_log_prob, log_prob, advantages, response_mask, config):
+    """The policy loss ``vanilla``: the PPO clipped objective with the recipe's ``algorithm.policy_loss`` bounds."""
     return ppo_clip_loss(
         old_log_prob, log_prob, advantages, response_mask,
         clip_ratio=config.clip_ratio, clip_ratio_low=config.clip_ratio_low,

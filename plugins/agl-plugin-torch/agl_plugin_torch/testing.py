@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from agl_core.algorithms.losses import ppo_clip_loss
+from agl_core.builtin.estimators import vanilla_policy_loss as policy_loss  # noqa: F401 (the tests' loss)
 from agl_core.config import AlgorithmConfig
 from agl_core.data import Batch
 
@@ -89,12 +89,6 @@ def sampled_rows(backend, n=16, seed=0, max_tokens=6) -> Batch:
     batch = rows([p] * n, [s.token_ids for s in samples], response_width=max(8, max_tokens))
     batch["old_log_probs"], _ = backend.logprobs(backend.actor, batch, with_entropy=False)
     return batch
-
-
-def policy_loss(old_log_prob, log_prob, advantages, response_mask, config):
-    """The ``vanilla`` policy loss, as the core's estimators plugin registers it."""
-    return ppo_clip_loss(old_log_prob, log_prob, advantages, response_mask, clip_ratio=config.clip_ratio,
-                         loss_agg_mode=config.loss_agg_mode)
 
 
 def algorithm(**overrides) -> AlgorithmConfig:
