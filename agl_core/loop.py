@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from agl_core import checkpoint
 from agl_core.algorithms.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty
-from agl_core.algorithms.losses import agg_loss
+from agl_core.algorithms.losses import agg_loss_value
 from agl_core.balance import balanced_order
 from agl_core.batching import rows_to_keep, shuffle_and_floor
 from agl_core.components import Components
@@ -82,10 +82,8 @@ class Trainer:
             batch, pad_size = batch.pad_to_divisor(ctx.world_size)
             with timer("old_log_prob", timing):
                 batch = ctx.call("compute_old_logprob", batch=batch)
-                metrics["actor/entropy"] = agg_loss(
-                    batch["entropys"], batch["response_mask"], cfg.algorithm.policy_loss.loss_agg_mode
-                ).item()
-                batch.pop("entropys")
+                metrics["actor/entropy"] = agg_loss_value(
+                    batch.pop("entropys"), batch["response_mask"], cfg.algorithm.policy_loss.loss_agg_mode)
             if plan_.needs_ref:
                 with timer("ref", timing):
                     batch = ctx.call("compute_ref_logprob", batch=batch)

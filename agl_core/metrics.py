@@ -22,28 +22,30 @@ __all__ = ["RowStats", "compute_data_metrics", "compute_throughput_metrics", "co
 
 @dataclass(frozen=True)
 class RowStats:
-    """Per-row statistics of a batch (:func:`row_statistics`): one float64 column per name in one table.
+    """Per-row statistics of a batch (:func:`row_statistics`): one float64 row of the table per name.
 
-    ``stats[rows]`` selects rows as the batch's ``batch[rows]`` does, with one
-    NumPy fancy index for every column.
+    ``stats[rows]`` selects rows of the batch as ``batch[rows]`` does, with
+    one NumPy fancy index for every statistic. The table is stored a
+    statistic per row so that reducing one over the batch's rows reads
+    contiguous memory.
     """
 
-    table: np.ndarray  # (N, len(names)) float64
+    table: np.ndarray  # (len(names), N) float64
     names: tuple[str, ...]
     max_prompt_length: int
     max_response_length: int
     use_critic: bool
 
     def __len__(self) -> int:
-        return self.table.shape[0]
+        return self.table.shape[1]
 
     def __getitem__(self, rows) -> RowStats:
-        return RowStats(self.table[rows], self.names, self.max_prompt_length, self.max_response_length,
+        return RowStats(np.ascontiguousarray(self.table[:, rows]), self.names, self.max_prompt_length, self.max_response_length,
                         self.use_critic)
 
     def column(self, name: str) -> np.ndarray:
         """The statistic ``name`` of every row, ``(N,)``."""
-        return self.table[:, self.names.index(name)]
+        return self.table[self.names.index(name)]
 
 
 def sequence_lengths(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,7 +115,7 @@ def row_statistics(batch: Batch, use_critic: bool,
         columns["returns_sq_sum"] = (returns * returns).sum(-1)
         columns["diff_sum"] = diff.sum(-1)
         columns["diff_sq_sum"] = (diff * diff).sum(-1)
-    table = torch.stack([column.double() for column in columns.values()], dim=1).numpy()
+    table = torch.stack([column.double() for column in columns.values()]).numpy()
     return RowStats(table, tuple(columns), max_prompt_length, max_response_length, use_critic)
 
 
@@ -121,34 +123,36 @@ def summarize(stats: RowStats, suffix: str = "") -> dict[str, float]:
     """The data metrics of the rows in ``stats`` (see :func:`compute_data_metrics`); ``{}`` when empty."""
     if len(stats) == 0:
         return {}
-    # The per-row statistics are short vectors: NumPy in float64 reduces them faster than torch.
-    row = dict(zip(stats.names, stats.table.T))
+    # One NumPy reduction per kind over the whole table, then pick the statistics.
+    table = stats.table
+    column = {name: i for i, name in enumerate(stats.names)}
+    sums, maxes, mins = table.sum(1), table.max(1), table.min(1)
+    means = sums / len(stats)  # what ndarray.mean computes
     out: dict[str, float] = {}
     for key, name in (("critic/score", "score"), ("critic/rewards", "reward"),
                       ("response_length", "response_length"), ("prompt_length", "prompt_length")):
-        values = row[name]
-        out.update({f"{key}/mean": values.mean(), f"{key}/max": values.max(), f"{key}/min": values.min()})
-    n = row["n_valid"].sum()
+        i = column[name]
+        out.update({f"{key}/mean": means[i], f"{key}/max": maxes[i], f"{key}/min": mins[i]})
+    n = sums[column["n_valid"]]
     for name in ["advantages", "returns"] + (["values"] if stats.use_critic else []):
         if n > 0:
-            out.update({f"critic/{name}/mean": row[f"{name}_sum"].sum() / n,
-                        f"critic/{name}/max": row[f"{name}_max"].max(),
-                        f"critic/{name}/min": row[f"{name}_min"].min()})
+            out.update({f"critic/{name}/mean": sums[column[f"{name}_sum"]] / n,
+                        f"critic/{name}/max": maxes[column[f"{name}_max"]],
+                        f"critic/{name}/min": mins[column[f"{name}_min"]]})
         else:  # verl reports NaN rather than failing when no token is selected
             out.update({f"critic/{name}/{stat}": math.nan for stat in ("mean", "max", "min")})
     if stats.use_critic:
-        out["critic/vf_explained_var"] = 1.0 - _variance(row["diff_sum"], row["diff_sq_sum"], n) / (
-            _variance(row["returns_sum"], row["returns_sq_sum"], n) + 1e-5)
-    out["response_length/clip_ratio"] = (row["response_length"] == stats.max_response_length).mean()
-    out["prompt_length/clip_ratio"] = (row["prompt_length"] == stats.max_prompt_length).mean()
+        out["critic/vf_explained_var"] = 1.0 - _variance(sums[column["diff_sum"]], sums[column["diff_sq_sum"]], n) / (
+            _variance(sums[column["returns_sum"]], sums[column["returns_sq_sum"]], n) + 1e-5)
+    out["response_length/clip_ratio"] = (stats.column("response_length") == stats.max_response_length).mean()
+    out["prompt_length/clip_ratio"] = (stats.column("prompt_length") == stats.max_prompt_length).mean()
     return {key + suffix: float(value) for key, value in out.items()}
 
 
-def _variance(row_sums: np.ndarray, row_sq_sums: np.ndarray, n: float) -> float:
-    """Unbiased variance over all tokens from per-row sums of x and x² (torch.var's definition)."""
-    total = row_sums.sum()
+def _variance(total: float, total_sq: float, n: float) -> float:
+    """Unbiased variance over all tokens from the sums of x and x² (torch.var's definition)."""
     with np.errstate(invalid="ignore", divide="ignore"):  # one token or none: NaN, as torch.var gives
-        return (row_sq_sums.sum() - total * total / n) / (n - 1)
+        return (total_sq - total * total / n) / (n - 1)
 
 
 def compute_data_metrics(batch: Batch, use_critic: bool, suffix: str = "") -> dict[str, float]:

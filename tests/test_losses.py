@@ -49,6 +49,18 @@ def test_agg_loss_global_batch_normalisation_matches_verl(mode):
     close(ours.agg_loss(loss_mat, mask, mode, **kwargs), core_algos.agg_loss(loss_mat, mask, mode, **kwargs))
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.int64, torch.bool])
+def test_agg_loss_value_equals_agg_loss_even_with_inf_and_nan_outside_the_mask(mode, mask_dtype):
+    gen = torch.Generator().manual_seed(3)
+    loss_mat, mask = torch.randn(B, T, generator=gen), ragged_mask(gen).to(mask_dtype)
+    expected = core_algos.agg_loss(loss_mat, mask.float(), mode)
+    assert ours.agg_loss_value(loss_mat, mask, mode) == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
+    outside = ~mask.bool()
+    loss_mat[outside] = torch.where(torch.arange(int(outside.sum())) % 2 == 0, torch.inf, torch.nan)
+    assert ours.agg_loss_value(loss_mat, mask, mode) == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
+
+
 def test_agg_loss_rejects_unknown_mode_and_missing_global_counts():
     x = torch.ones(2, 3)
     with pytest.raises(ValueError):

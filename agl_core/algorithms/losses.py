@@ -16,6 +16,8 @@ from agl_core.algorithms.advantages import masked_mean
 __all__ = [
     "LOSS_AGG_MODES",
     "agg_loss",
+    "agg_loss_value",
+    "aggregate_rows",
     "entropy_from_logits",
     "entropy_loss",
     "kl_penalty",
@@ -61,22 +63,42 @@ def agg_loss(
     Returns a 0-dim tensor. An all-zero mask gives NaN in the mean modes, as in verl.
     Matches ``verl.trainer.ppo.core_algos.agg_loss`` (0.9.1), all keyword arguments included.
     """
-    selected = loss_mask.bool()  # counting it reads an eighth of an int64 mask's bytes
-    masked = torch.where(selected, loss_mat, 0.0)
+    selected = loss_mask.bool()
+    seq_loss = torch.where(selected, loss_mat, 0.0).sum(dim=-1)
+    return aggregate_rows(seq_loss, selected.sum(dim=-1), loss_agg_mode, loss_mask.shape[-1], dp_size=dp_size,
+                          batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
+                          loss_scale_factor=loss_scale_factor)
+
+
+def aggregate_rows(
+    seq_loss: torch.Tensor,
+    tokens_per_row: torch.Tensor,
+    loss_agg_mode: str,
+    horizon: int,
+    *,
+    dp_size: int = 1,
+    batch_num_tokens: int | torch.Tensor | None = None,
+    global_batch_size: int | torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
+) -> torch.Tensor:
+    """The second half of :func:`agg_loss`: reduce per-row masked sums ``(B,)`` to its scalar.
+
+    ``seq_loss`` holds each row's sum of the loss over its masked tokens,
+    ``tokens_per_row`` their count, ``horizon`` the number of token columns
+    T (the default ``loss_scale_factor``); the other arguments are
+    :func:`agg_loss`'s.
+    """
     if loss_agg_mode == "token-mean":
         if batch_num_tokens is None:
             if dp_size > 1:
                 raise ValueError("token-mean with dp_size > 1 needs the global batch_num_tokens")
-            batch_num_tokens = selected.sum()
-        return masked.sum() / batch_num_tokens * dp_size
+            batch_num_tokens = tokens_per_row.sum()
+        return seq_loss.sum() / batch_num_tokens * dp_size
     if loss_agg_mode == "token-sum":
         # Ranks average their gradients, so scaling by dp_size yields the global sum.
-        return masked.sum() * dp_size
+        return seq_loss.sum() * dp_size
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {LOSS_AGG_MODES}")
-
-    tokens_per_row = selected.sum(dim=-1)
-    seq_loss = masked.sum(dim=-1)
     if loss_agg_mode == "seq-mean-token-mean":
         seq_loss = seq_loss / (tokens_per_row + 1e-8)
     nonempty_rows = tokens_per_row > 0
@@ -86,8 +108,25 @@ def agg_loss(
         global_batch_size = nonempty_rows.sum()
     loss = torch.where(nonempty_rows, seq_loss, 0.0).sum() / global_batch_size * dp_size
     if loss_agg_mode == "seq-mean-token-sum-norm":
-        loss = loss / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+        loss = loss / (horizon if loss_scale_factor is None else loss_scale_factor)
     return loss
+
+
+@torch.no_grad()
+def agg_loss_value(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str) -> float:
+    """``agg_loss(loss_mat, loss_mask, loss_agg_mode).item()`` for a reported value (the loop's ``actor/entropy``).
+
+    Faster on the CPU: each row's sum is one dot product with the mask as 0/1
+    weights, with no masked copy of ``loss_mat``. That equals the masked sum
+    whenever it is finite; when a row's is not (an inf or NaN may sit outside
+    the mask), the rows are summed again the way :func:`agg_loss` does, where
+    values outside the mask never count.
+    """
+    weight = loss_mask.bool().view(torch.uint8).to(loss_mat.dtype)  # via uint8: bool -> float is a slow path
+    seq_loss = torch.linalg.vecdot(loss_mat, weight)
+    if not torch.isfinite(seq_loss).all():
+        seq_loss = torch.where(weight.bool(), loss_mat, 0.0).sum(dim=-1)
+    return aggregate_rows(seq_loss, weight.sum(dim=-1), loss_agg_mode, loss_mask.shape[-1]).item()
 
 
 def ppo_clip_loss(
