@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["balanced_order", "balanced_partitions"]
+__all__ = ["balanced_order", "balanced_partitions", "workload"]
 
 
 class _Largest:
@@ -20,16 +20,16 @@ class _Largest:
 
     __slots__ = ("part",)
 
-    def __init__(self, part: list) -> None:
+    def __init__(self, part: tuple) -> None:
         self.part = part
 
     def __lt__(self, other: _Largest) -> bool:
         return _part_key(self.part) > _part_key(other.part)
 
 
-def _part_key(part: list) -> tuple:
-    # A part is [sum, index, index, ...]; verl orders parts by sum, then size, then items.
-    return part[0], len(part), part[1:]
+def _part_key(part: tuple) -> tuple:
+    # A part is (sum, indices); verl orders parts by sum, then size, then items.
+    return part[0], len(part[1]), part[1]
 
 
 def balanced_partitions(seqlens: Sequence[float] | np.ndarray, k: int, equal_size: bool = True) -> list[list[int]]:
@@ -49,38 +49,39 @@ def balanced_partitions(seqlens: Sequence[float] | np.ndarray, k: int, equal_siz
         raise ValueError(f"cannot split {len(values)} items into {k} non-empty partitions")
     if equal_size and len(values) % k:
         raise ValueError(f"equal_size needs len(seqlens) divisible by k: {len(values)} % {k} = {len(values) % k}")
-    # A part is one flat list [sum, index, index, ...]: few objects to make.
-    # verl keeps (index, value) pairs and breaks ties by comparing them;
-    # indices are unique, so comparing the indices alone gives the same order.
-    ordered = sorted(range(len(values)), key=values.__getitem__)
-    # Start states: with equal_size, each run of k consecutive values (by size)
-    # is spread one per part, so every merge keeps the part sizes equal and
-    # parts compare as the lists they are (verl also compares sizes).
-    group = k if equal_size else 1
+    # A state is its k parts, largest first; a part is (sum, indices). verl keeps (index, value) pairs and
+    # breaks ties by comparing them; indices are unique, so comparing the indices alone gives the same order.
+    # With equal_size every merge keeps the parts of a state equally long, so parts compare as the plain
+    # tuples they are; otherwise by verl's key (sum, size, indices).
+    ordered = sorted(range(len(values)), key=values.__getitem__)  # ties: lower index first, as verl
     by_part = None if equal_size else _part_key
     heap = []
-    for start in range(0, len(ordered), group):
-        parts = [[values[index], index] for index in ordered[start:start + group]]
-        parts += [[0] for _ in range(k - group)]
-        parts.sort(key=by_part, reverse=True)
-        heap.append((parts[-1][0] - parts[0][0], _Largest(parts[0]), len(heap), parts))
+    if equal_size:
+        # Each run of k consecutive values (by size, then index) is spread one per part: reversed, it is
+        # already in the parts' order.
+        for start in range(0, len(ordered), k):
+            parts = [(values[index], [index]) for index in reversed(ordered[start:start + k])]
+            heap.append((parts[-1][0] - parts[0][0], _Largest(parts[0]), parts))
+    else:
+        empty = [(0, [])] * (k - 1)  # never mutated: merging builds new parts
+        for index in ordered:
+            parts = [(values[index], [index])] + empty
+            parts.sort(key=by_part, reverse=True)
+            heap.append((parts[-1][0] - parts[0][0], _Largest(parts[0]), parts))
     heapq.heapify(heap)
-    counter = len(heap)
     while len(heap) > 1:
-        first, second = heapq.heappop(heap)[3], heapq.heappop(heap)[3]
+        first, second = heapq.heappop(heap)[2], heapq.heappop(heap)[2]
         # The differencing step: pair the first state's largest part with the second's smallest, and so on.
-        for mine, theirs in zip(first, reversed(second)):
-            mine[0] += theirs[0]
-            mine.extend(theirs[1:])
-        first.sort(key=by_part, reverse=True)
-        # Largest spread pops first; on a tie, the state with the larger largest part.
-        heapq.heappush(heap, (first[-1][0] - first[0][0], _Largest(first[0]), counter, first))
-        counter += 1
-    return [sorted(part[1:]) for part in heap[0][3]]
+        merged = [(a + b, mine + theirs) for (a, mine), (b, theirs) in zip(first, reversed(second))]
+        merged.sort(key=by_part, reverse=True)
+        # Largest spread pops first; on a tie, the state with the larger largest part (states share no
+        # index, so no two states tie on both).
+        heapq.heappush(heap, (merged[-1][0] - merged[0][0], _Largest(merged[0]), merged))
+    return [sorted(indices) for _, indices in heap[0][2]]
 
 
-def _workload(seqlens: np.ndarray) -> np.ndarray:
-    # verl's calculate_workload: dense-transformer FLOPs of a 7B model, up to a constant.
+def workload(seqlens: np.ndarray) -> np.ndarray:
+    """verl's ``calculate_workload``: the dense-transformer FLOPs of a 7B model per row, up to a constant."""
     return 24576 * seqlens + seqlens**2
 
 
@@ -111,10 +112,10 @@ def balanced_order(seqlens: Sequence[float] | np.ndarray, world_size: int) -> tu
     if world_size == 1:
         order = np.arange(n).reshape(1, n)
     else:
-        workload = _workload(seqlens)
-        parts = np.array(balanced_partitions(workload, world_size, equal_size=True))
+        work = workload(seqlens)
+        parts = np.array(balanced_partitions(work, world_size, equal_size=True))
         # Within a part: by workload (then row), arranged small-large-small.
-        by_workload = np.take_along_axis(parts, np.lexsort((parts, workload[parts]), axis=-1), axis=-1)
+        by_workload = np.take_along_axis(parts, np.lexsort((parts, work[parts]), axis=-1), axis=-1)
         order = np.concatenate([by_workload[:, ::2], by_workload[:, 1::2][:, ::-1]], axis=-1)
     before = seqlens.reshape(world_size, -1).sum(-1)
     after = seqlens[order].sum(-1)

@@ -78,8 +78,16 @@ def row_statistics(batch: Batch, use_critic: bool,
     max_response_length = batch["responses"].shape[-1]
     max_prompt_length = batch["attention_mask"].shape[-1] - max_response_length
     valid = batch["attention_mask"][:, max_prompt_length:].bool()
+    names = ["advantages", "returns"] + (["values"] if use_critic else [])
+    distinct = {id(batch[name]): batch[name] for name in names}  # outcome estimators return one tensor as both
+    # Masked reductions by arithmetic with w, the 0/1 mask in the values' dtype (torch.where and masked_fill
+    # are slow with a bool mask): a row's sum is w . x; with f = (w - 1) * finfo.max, its max is max(x + f)
+    # and its min is min(x - f), exact for finite x. Two (N, R) buffers per dtype in all: a fresh temporary
+    # per reduction costs more in page faults than the arithmetic.
+    # (bool -> uint8 -> float: bool -> float directly is a slow path in torch.)
+    weights = {dtype: valid.view(torch.uint8).to(dtype) for dtype in {x.dtype for x in distinct.values()}}
     # Without length columns, response_length is the count of the mask's bits; with them, count the bits.
-    n_valid = valid.sum(-1) if "response_length" in batch else response_length
+    n_valid = next(iter(weights.values())).sum(-1) if "response_length" in batch else response_length
     columns = {
         "score": batch["token_level_scores"].sum(-1),
         "reward": batch["token_level_rewards"].sum(-1),
@@ -87,17 +95,18 @@ def row_statistics(batch: Batch, use_critic: bool,
         "response_length": response_length,
         "n_valid": n_valid,
     }
-    # Masked reductions by arithmetic, not torch.where (slow with a bool mask): with w the 0/1 mask
-    # and f = (w - 1) * finfo.max, a row's sum is w . x, its max is max(x + f) and its min is
-    # min(x - f), exact for finite x. Two (N, R) buffers per dtype in all: a fresh temporary per
-    # reduction costs more in page faults than the arithmetic.
-    names = ["advantages", "returns"] + (["values"] if use_critic else [])
-    distinct = {id(batch[name]): batch[name] for name in names}  # outcome estimators return one tensor as both
     empty = n_valid == 0
     reduced: dict[int, dict[str, torch.Tensor]] = {}
-    for dtype in {x.dtype for x in distinct.values()}:
+    if use_critic:  # before the weights become fences
+        returns, values = batch["returns"].double(), batch["values"].double()
+        weight = weights[batch["returns"].dtype].double()
+        diff = (returns - values).mul_(weight)
+        returns = returns * weight
+        columns["returns_sq_sum"] = torch.linalg.vecdot(returns, returns)
+        columns["diff_sum"] = diff.sum(-1)
+        columns["diff_sq_sum"] = torch.linalg.vecdot(diff, diff)
+    for dtype, weight in weights.items():
         xs = {key: x for key, x in distinct.items() if x.dtype == dtype}
-        weight = valid.view(torch.uint8).to(dtype)  # via uint8: bool -> float is a slow path in torch
         sums = {key: torch.linalg.vecdot(x, weight) for key, x in xs.items()}
         fence = weight.sub_(1).mul_(torch.finfo(dtype).max)  # w becomes f in place
         scratch = torch.empty_like(fence)
@@ -109,13 +118,7 @@ def row_statistics(batch: Batch, use_critic: bool,
             }
     for name in names:
         columns.update({f"{name}_{stat}": value for stat, value in reduced[id(batch[name])].items()})
-    if use_critic:
-        returns = torch.where(valid, batch["returns"], 0).double()
-        diff = returns - torch.where(valid, batch["values"], 0).double()
-        columns["returns_sq_sum"] = (returns * returns).sum(-1)
-        columns["diff_sum"] = diff.sum(-1)
-        columns["diff_sq_sum"] = (diff * diff).sum(-1)
-    table = torch.stack([column.double() for column in columns.values()]).numpy()
+    table = torch.stack(list(columns.values())).double().numpy()  # stack promotes mixed dtypes
     return RowStats(table, tuple(columns), max_prompt_length, max_response_length, use_critic)
 
 

@@ -10,6 +10,16 @@ grpo estimator) called directly, in one function, with nothing of agl_core's
 layer around it. The difference is the core's
 overhead: hook dispatch, batch operations, filters and metrics.
 
+The two run alternately, one step each, ``REPEATS`` times, and the medians
+are compared: both see the same machine (this VM's speed drifts by tens of
+percent within minutes) and the same caches (each starts where the other
+left off, as a step starts after the backend's work in a real run).
+
+At world_size 8 the step also balances tokens over the ranks (exact
+Karmarkar-Karp, verl's partitions); that cost is part of the core overhead,
+and is printed on its own (``balance_ms``) next to verl's
+``get_seqlen_balanced_partitions`` on the same rows (``verl_balance_ms``).
+
 Prints one JSON line per data-parallel size. Target: core overhead <= 2 ms per step for 1,024 rows.
 """
 
@@ -22,16 +32,18 @@ import time
 
 import numpy as np
 import torch
+from verl.utils.seqlen_balancing import get_seqlen_balanced_partitions
 
 from agl_core import HOOK_API_VERSION, hookimpl
 from agl_core.algorithms.advantages import grpo
 from agl_core.algorithms.kl import FixedKLController, apply_kl_penalty
+from agl_core.balance import balanced_order, workload
 from agl_core.config import load
 from agl_core.data import Batch, Task
 from agl_core.loop import Trainer
 
 ROWS, PROMPT, RESPONSE, GROUP = 1024, 512, 512, 8
-REPEATS = 50
+REPEATS = 200
 
 
 def make_columns(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -108,14 +120,16 @@ def direct_step() -> dict:
     return {"actor/pg_loss": 0.0}
 
 
-def median_ms(fn) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
+def median_ms(*fns) -> list[float]:
+    """The median time of each of ``fns`` in ms, run in turn ``REPEATS`` times after a warm-up round."""
+    times: list[list[float]] = [[] for _ in fns]
+    for repeat in range(REPEATS + 1):
+        for fn, spent in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            if repeat:
+                spent.append((time.perf_counter() - start) * 1000)
+    return [statistics.median(spent) for spent in times]
 
 
 def measure(world_size: int) -> dict:
@@ -130,13 +144,20 @@ def measure(world_size: int) -> dict:
         plugins.broadcast("on_train_start", ctx=trainer.ctx)
         metrics = trainer.train_step(tasks)
         assert metrics["training/n_triplets_dropped_remainder"] == 0 and "actor/pg_loss" in metrics
-        ours = median_ms(lambda: trainer.train_step(tasks))
-    direct = median_ms(direct_step)
-    return {
+        ours, direct = median_ms(lambda: trainer.train_step(tasks), direct_step)
+    result = {
         "bench": "loop", "rows": ROWS, "prompt_length": PROMPT, "response_length": RESPONSE,
         "world_size": world_size, "ours_ms": round(ours, 3), "direct_ms": round(direct, 3),
         "core_overhead_ms": round(ours - direct, 3), "ratio": round(ours / direct, 2), "target_overhead_ms": 2.0,
     }
+    if world_size > 1:
+        seqlens = COLUMNS["attention_mask"].sum(-1).numpy()
+        work = workload(seqlens).tolist()
+        ours_balance, verl_balance = median_ms(
+            lambda: balanced_order(seqlens, world_size),
+            lambda: get_seqlen_balanced_partitions(work, world_size, equal_size=True))
+        result.update(balance_ms=round(ours_balance, 3), verl_balance_ms=round(verl_balance, 3))
+    return result
 
 
 def main() -> None:
