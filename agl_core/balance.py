@@ -42,42 +42,41 @@ def balanced_partitions(seqlens: Sequence[float] | np.ndarray, k: int, equal_siz
     ``equal_size`` every list has ``len(seqlens) // k`` items, which
     requires ``len(seqlens) % k == 0``.
     """
-    values = seqlens.tolist() if isinstance(seqlens, np.ndarray) else list(seqlens)
+    values = np.asarray(seqlens)
+    n = len(values)
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    if len(values) < k:
-        raise ValueError(f"cannot split {len(values)} items into {k} non-empty partitions")
-    if equal_size and len(values) % k:
-        raise ValueError(f"equal_size needs len(seqlens) divisible by k: {len(values)} % {k} = {len(values) % k}")
-    # A state is its k parts, largest first; a part is (sum, indices). verl keeps (index, value) pairs and
-    # breaks ties by comparing them; indices are unique, so comparing the indices alone gives the same order.
-    # With equal_size every merge keeps the parts of a state equally long, so parts compare as the plain
-    # tuples they are; otherwise by verl's key (sum, size, indices).
-    ordered = sorted(range(len(values)), key=values.__getitem__)  # ties: lower index first, as verl
-    by_part = None if equal_size else _part_key
-    heap = []
+    if n < k:
+        raise ValueError(f"cannot split {n} items into {k} non-empty partitions")
+    if equal_size and n % k:
+        raise ValueError(f"equal_size needs len(seqlens) divisible by k: {n} % {k} = {n % k}")
+    # A state is its k parts, largest first, in a heap of
+    #   (-spread, -largest part's sum, the largest part, parts)
+    # so the largest spread pops first and, on a tie, the state with the larger largest part (verl's
+    # order; states share no index, so no two tie on all of it). A part is (sum, indices): verl keeps
+    # (index, value) pairs and breaks ties by comparing them; indices are unique, so comparing the indices
+    # alone gives the same order. Python ints and floats, so sums add up as in verl.
+    order = np.argsort(values, kind="stable")  # by value, ties by index: verl's sorted((value, index))
     if equal_size:
-        # Each run of k consecutive values (by size, then index) is spread one per part: reversed, it is
-        # already in the parts' order.
-        for start in range(0, len(ordered), k):
-            parts = [(values[index], [index]) for index in reversed(ordered[start:start + k])]
-            heap.append((parts[-1][0] - parts[0][0], _Largest(parts[0]), parts))
+        # Each run of k consecutive values is spread one per part: reversed, it is in the parts' order.
+        # Every merge keeps the parts of a state equally long, so parts compare as the plain tuples they are.
+        by_part = None
+        runs = order.reshape(-1, k)[:, ::-1]
+        states = [list(zip(run_values, zip(run))) for run_values, run in zip(values[runs].tolist(), runs.tolist())]
     else:
-        empty = [(0, [])] * (k - 1)  # never mutated: merging builds new parts
-        for index in ordered:
-            parts = [(values[index], [index])] + empty
-            parts.sort(key=by_part, reverse=True)
-            heap.append((parts[-1][0] - parts[0][0], _Largest(parts[0]), parts))
+        by_part = _part_key  # parts of one state differ in size: compare by (sum, size, indices)
+        empty = [(0, ())] * (k - 1)
+        states = [sorted([(value, (index,))] + empty, key=by_part, reverse=True)
+                  for value, index in zip(values[order].tolist(), order.tolist())]
+    heap = [(parts[-1][0] - parts[0][0], -parts[0][0], _Largest(parts[0]), parts) for parts in states]
     heapq.heapify(heap)
     while len(heap) > 1:
-        first, second = heapq.heappop(heap)[2], heapq.heappop(heap)[2]
+        first, second = heapq.heappop(heap)[3], heapq.heappop(heap)[3]
         # The differencing step: pair the first state's largest part with the second's smallest, and so on.
         merged = [(a + b, mine + theirs) for (a, mine), (b, theirs) in zip(first, reversed(second))]
         merged.sort(key=by_part, reverse=True)
-        # Largest spread pops first; on a tie, the state with the larger largest part (states share no
-        # index, so no two states tie on both).
-        heapq.heappush(heap, (merged[-1][0] - merged[0][0], _Largest(merged[0]), merged))
-    return [sorted(indices) for _, indices in heap[0][2]]
+        heapq.heappush(heap, (merged[-1][0] - merged[0][0], -merged[0][0], _Largest(merged[0]), merged))
+    return [sorted(indices) for _, indices in heap[0][3]]
 
 
 def workload(seqlens: np.ndarray) -> np.ndarray:
