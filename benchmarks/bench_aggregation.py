@@ -10,7 +10,11 @@ too. By default the spans are parsed from JSON, as a store hands them over
 (``--source python`` builds them from shared Python lists instead).
 
 Both implementations run the same algorithm on the same spans, each in the
-form its trainer holds them, parsed from the same JSON before timing starts:
+form its trainer holds them, parsed from the same JSON before its timing
+starts. Each is timed with only its own spans in memory (ours first, then
+the reference), as a trainer holds one form or the other; the reference's
+list spans are GBs of Python objects, and that heap slows whatever runs
+next to it by about 15%:
 
 * ``reference``: the approach of the reference trainer (Agent Lightning's
   ``get_train_data_batch``), written straightforwardly: per rollout, per
@@ -41,7 +45,8 @@ against the previous prompt + response) on the list spans, which any exact
 implementation on Python lists makes: a floor for the reference. ``peak_bytes`` is the peak of memory allocated while
 our aggregator builds the batch (a separate run, measured as the kernel's
 high-water mark of the resident set, so every allocation counts), and
-``output_bytes`` the size of the output tensors. Linux only.
+``output_bytes`` the size of the output tensors (``prompts`` and
+``responses`` are views of ``input_ids``: each storage counts once). Linux only.
 
     python benchmarks/bench_aggregation.py [--rollouts 4096] [--turns 8] [--repeats 3] [--source json|python]
 """
@@ -280,7 +285,9 @@ def assert_identical(a: Batch, b: Batch) -> None:
 
 
 def output_bytes(batch: Batch) -> int:
-    return sum(t.numel() * t.element_size() for t in batch.tensors.values())
+    """Bytes of the batch's tensors, each storage counted once (``prompts`` and ``responses`` may be views)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in batch.tensors.values()}
+    return sum(storages.values())
 
 
 def peak_bytes(fn: Callable[[], Batch]) -> int:
@@ -314,21 +321,23 @@ def main() -> None:
     torch.set_num_threads(2)
 
     records = make_records(args.rollouts, args.turns, source=args.source)
+    # Each side is timed with only its own spans in memory, as a trainer holds one form or the other: the
+    # reference's list spans take GBs of Python objects, and that heap slows whatever runs next to it.
     start = time.perf_counter()
     rollouts = make_rollouts(records)
     parse_s = time.perf_counter() - start
+    ours_s, ours_cpu_s, batch = median_seconds(lambda: ours(rollouts), args.repeats)
+    peak = peak_bytes(lambda: ours(rollouts))
+    del rollouts
     start = time.perf_counter()
     list_rollouts = make_rollouts(records, span_model=ListSpan)
     parse_lists_s = time.perf_counter() - start
     del records
-    ours_s, ours_cpu_s, batch = median_seconds(lambda: ours(rollouts), args.repeats)
     prefix_check_s, _, _ = median_seconds(partial(prefix_check, list_rollouts), args.repeats)
     reference_s, reference_cpu_s, expected = median_seconds(
         partial(reference_trajectory, list_rollouts, MAX_PROMPT, MAX_RESPONSE), max(1, args.repeats // 3))
     assert_identical(batch, expected)
     size, rows, tokens = output_bytes(batch), len(batch), int(batch["attention_mask"].sum())
-    del batch, expected, list_rollouts
-    peak = peak_bytes(lambda: ours(rollouts))
     print(json.dumps({
         "bench": "aggregation", "aggregator": "trajectory", "source": args.source, "rollouts": args.rollouts,
         "turns": args.turns,
