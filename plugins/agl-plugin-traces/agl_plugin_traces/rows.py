@@ -16,6 +16,12 @@ the row's last call, whose prompt + response holds every token of the row
 Layout, as the reference trainer and verl expect it: each row is
 ``P + R`` columns, the prompt left-padded into the first ``P`` and the
 response right-padded into the last ``R``.
+
+Most of the time of :meth:`RowBuilder.to_batch` is the kernel paging in the
+fresh output memory (hundreds of MB). An aggregator that knows about how
+many rows it will make calls :meth:`RowBuilder.reserve` first: a helper
+thread then pages in the output tensors while the aggregator walks the
+rollouts in Python on the other core.
 """
 
 from __future__ import annotations
@@ -28,9 +34,12 @@ import torch
 
 from agl_core.data import Batch, LogProbs, TokenIds
 
+from agl_plugin_traces.reservation import Reservation
+
 _ITEM = 8  # bytes per packed token id or log-prob (TokenIds, LogProbs: 64-bit items)
 _ORDER = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask",
           "token_level_scores", "is_drop_mask", "rollout_log_probs")  # the order of the batch's tensors
+_HEADROOM = 8  # a reservation for n rows holds n + n // _HEADROOM: rows a rollout adds (prefix breaks) still fit
 
 
 @dataclass
@@ -82,6 +91,31 @@ class RowBuilder:
         self.turn_index: list[int] = []
         self._open = False
         self._laid_out: _Layout | None = None
+        self._reservation: Reservation | None = None
+
+    def reserve(self, n_rows: int) -> None:
+        """Start paging in the output tensors for about ``n_rows`` rows on a helper thread (:mod:`.reservation`).
+
+        Call before adding rows. There is room for ``n_rows`` plus an eighth
+        (rows that prefix breaks add); a batch that does not fit gets fresh
+        tensors. Pages that are never written stay unmapped.
+        """
+        self._reservation = Reservation(self._columns(), n_rows + n_rows // _HEADROOM)
+
+    def _columns(self) -> dict[str, tuple[int, torch.dtype]]:
+        """The (n, width) output tensors: width and dtype."""
+        P, R = self.P, self.R
+        return {"input_ids": (P + R, torch.int64), "attention_mask": (P + R, torch.int64),
+                "position_ids": (P + R, torch.int64), "response_mask": (R, torch.int64),
+                "token_level_scores": (R, torch.float32), "rollout_log_probs": (R, torch.float32)}
+
+    def _outputs(self, n: int) -> dict[str, torch.Tensor]:
+        """Uninitialised output tensors for the batch's ``n`` rows: the reserved ones when they fit, else fresh."""
+        reserved = self._reservation.claim(n) if self._reservation is not None else None
+        self._reservation = None
+        if reserved is not None:
+            return reserved
+        return {name: torch.empty((n, width), dtype=dtype) for name, (width, dtype) in self._columns().items()}
 
     # ------------------------------------------------------------------ one row
 
@@ -239,13 +273,14 @@ class RowBuilder:
         # spoke), and the attention mask, position ids and scores (from the row lengths). Most of their time is the
         # kernel mapping fresh pages for 10-500 MB of output, which two threads do side by side; NumPy and
         # torch release the GIL while they fill arrays. One thread when torch is limited to one.
+        out = self._outputs(len(rows))
         if torch.get_num_threads() > 1 and len(rows):
             with ThreadPoolExecutor(1, thread_name_prefix="agl-traces-rows") as helper:
-                masks = helper.submit(self._masks, layout)
-                tensors = self._tokens(layout, model_at, pad_token_id)
+                masks = helper.submit(self._masks, layout, out)
+                tensors = self._tokens(layout, model_at, out, pad_token_id)
                 tensors.update(masks.result())
         else:
-            tensors = {**self._tokens(layout, model_at, pad_token_id), **self._masks(layout)}
+            tensors = {**self._tokens(layout, model_at, out, pad_token_id), **self._masks(layout, out)}
         tensors["is_drop_mask"] = torch.from_numpy(np.array(self.is_drop, dtype=bool)[rows])
         tensors = {name: tensors[name] for name in _ORDER if name in tensors}
         uid = np.array(self.uid, dtype=object)[rows]
@@ -259,38 +294,41 @@ class RowBuilder:
     # with madvise(MADV_HUGEPAGE), and where the kernel then compacts memory on page faults
     # (transparent_hugepage/defrag = madvise) filling a fresh array stalls: 3x slower on a 2-core box.
 
-    def _tokens(self, layout: _Layout, model_at: np.ndarray, pad_token_id: int) -> dict[str, torch.Tensor]:
+    def _tokens(self, layout: _Layout, model_at: np.ndarray, out: dict[str, torch.Tensor],
+                pad_token_id: int) -> dict[str, torch.Tensor]:
         """``input_ids``, ``prompts`` and ``responses`` (views of it), ``response_mask`` and, when known,
-        ``rollout_log_probs``."""
-        P, R, n = self.P, self.R, len(layout.rows)
-        input_ids = torch.full((n, P + R), pad_token_id, dtype=torch.int64)
+        ``rollout_log_probs``, written into ``out``'s uninitialised tensors."""
+        P = self.P
+        input_ids = out["input_ids"].fill_(pad_token_id)
         self._copy_tokens(input_ids, layout.rows.tolist(), layout.response_len.tolist())
         # prompts and responses are the two sides of input_ids, as they are in every row of verl's batch:
         # views, not copies (80 MB fewer fresh pages for a 4,096-rollout batch).
         tensors = {"prompts": input_ids[:, :P], "responses": input_ids[:, P:], "input_ids": input_ids}
-        response_mask = torch.zeros((n, R), dtype=torch.int64)
+        response_mask = out["response_mask"].zero_()
         response_mask.numpy().reshape(-1)[model_at] = 1
         tensors["response_mask"] = response_mask
         if layout.logprobs_known:
-            logprobs = torch.zeros((n, R), dtype=torch.float32)
+            logprobs = out["rollout_log_probs"].zero_()
             logprobs.numpy().reshape(-1)[model_at] = self._model_logprobs(layout)
             tensors["rollout_log_probs"] = logprobs
         return tensors
 
-    def _masks(self, layout: _Layout) -> dict[str, torch.Tensor]:
-        """``attention_mask``, ``position_ids`` and ``token_level_scores``."""
-        P, R, n = self.P, self.R, len(layout.rows)
+    def _masks(self, layout: _Layout, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``attention_mask``, ``position_ids`` and ``token_level_scores``, written into ``out``'s uninitialised
+        tensors."""
+        P, R = self.P, self.R
         prompt_len = np.array(self.prompt_len, dtype=np.int64)[layout.rows]
         start = P - prompt_len  # first real column of each row
         length = prompt_len + layout.response_len  # real tokens of each row
-        position_ids = torch.sub(torch.arange(P + R), torch.from_numpy(start)[:, None])  # column - first real column
+        position_ids = torch.sub(torch.arange(P + R), torch.from_numpy(start)[:, None],  # column - first real column
+                                 out=out["position_ids"])
         # 0 <= position < length in one comparison: negative positions wrap to huge unsigned values.
         attended = np.less(position_ids.numpy().view(np.uint64), length.view(np.uint64)[:, None])
-        attention_mask = torch.empty((n, P + R), dtype=torch.int64).copy_(torch.from_numpy(attended))
+        attention_mask = out["attention_mask"].copy_(torch.from_numpy(attended))
         # cumsum(attention_mask) - 1 clamped at 0 (verl's position ids) is the position clamped to the row:
         # 0 over the left pads, counting over the tokens, the last position over the right pads.
         position_ids.clamp_(min=torch.zeros((), dtype=torch.int64), max=torch.from_numpy(length - 1)[:, None])
-        scores = torch.zeros((n, R), dtype=torch.float32)
+        scores = out["token_level_scores"].zero_()
         np.add.at(scores.numpy().reshape(-1), layout.score_at, layout.score_value.astype(np.float32))
         return {"attention_mask": attention_mask, "position_ids": position_ids, "token_level_scores": scores}
 

@@ -21,7 +21,7 @@ Two defects of the reference aggregator are avoided:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sized
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -70,6 +70,8 @@ def trajectory_batch(rollouts: Iterable[Rollout], max_prompt_length: int, max_re
     any call of the row emitted one.
     """
     rows = RowBuilder(max_prompt_length, max_response_length)
+    if isinstance(rollouts, Sized):
+        rows.reserve(len(rollouts))  # about one row per rollout: its calls merge
     counts = TraceCounts()
     breaks = Breaks(records=[] if keep_break_records else None)
     overflow_to_response = later_prompt_overflow == "response"

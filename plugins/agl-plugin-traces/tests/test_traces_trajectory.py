@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from agl_plugin_traces.mismatch import classify_break
 from agl_plugin_traces.trajectory import trajectory_batch
@@ -184,3 +185,31 @@ def test_several_rollouts_per_task_keep_their_group_and_ids():
     assert [r.trained for r in got] == [[10 + i, 20 + i] for i in range(6)]
     assert [sum(r.scores) for r in got] == [float(i) for i in range(6)]
     assert metrics["training/n_rollouts"] == 6
+
+
+def agent_rollouts(n: int, break_every: int) -> list:
+    """``n`` rollouts of 4 calls; in every ``break_every``-th rollout the third call re-renders its history."""
+    out = []
+    for r in range(n):
+        spans, prompt = [], [10 + r, 2, 3]
+        for turn in range(4):
+            if turn == 2 and r % break_every == 0:
+                prompt = [9] + prompt[1:]
+            response = [100 + r, 200 + turn]
+            spans.append(llm(turn, prompt, response, rollout_id=f"r{r}"))
+            prompt = prompt + response + [7, turn]
+        out.append(rollout(spans, rollout_id=f"r{r}", task_id=f"t{r // 2}", final_reward=float(r % 3)))
+    return out
+
+
+@pytest.mark.parametrize(("break_every", "n_rows"), [(1000, 41), (10, 44), (1, 80)])  # fit, fit the headroom, not
+@pytest.mark.parametrize("pad", [0, 5])
+def test_reserved_output_tensors_give_the_same_batch_as_fresh_ones(break_every, n_rows, pad):
+    """A list of rollouts (its length known: room for 40 + 5 rows is paged in ahead) and an iterator (fresh)."""
+    rollouts = agent_rollouts(40, break_every)
+    reserved, _, _ = trajectory_batch(rollouts, 12, 24, pad_token_id=pad)
+    fresh, _, _ = trajectory_batch(iter(rollouts), 12, 24, pad_token_id=pad)
+    assert len(reserved) == len(fresh) == n_rows
+    assert list(reserved.tensors.keys()) == list(fresh.tensors.keys())
+    for name in fresh.tensors.keys():
+        assert torch.equal(reserved[name], fresh[name]), name
