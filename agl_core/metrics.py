@@ -48,13 +48,18 @@ class RowStats:
         return self.table[self.names.index(name)]
 
 
+def has_length_columns(batch: Batch) -> bool:
+    """Whether ``batch`` carries ``prompt_length`` and ``response_length`` columns (the trace aggregators' do)."""
+    return "prompt_length" in batch and "response_length" in batch
+
+
 def sequence_lengths(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """``(prompt_length, response_length)`` of each row, float ``(N,)``: the set bits of ``attention_mask``.
 
     Same as verl's ``_compute_response_info``, including its shortcut of
     taking ``prompt_length``/``response_length`` columns when both exist.
     """
-    if "prompt_length" in batch and "response_length" in batch:
+    if has_length_columns(batch):
         return batch["prompt_length"], batch["response_length"]
     attention_mask = batch["attention_mask"]
     max_prompt_length = attention_mask.shape[-1] - batch["responses"].shape[-1]
@@ -70,14 +75,20 @@ def row_statistics(batch: Batch, use_critic: bool,
     statistics of any selection of rows into metrics without touching the
     big tensors again (the loop reports the same metrics before and after
     dropping and flooring rows). Tokens count when the response part of
-    ``attention_mask`` is set; ``advantages``, ``returns`` and ``values``
+    ``attention_mask`` is set; with length columns, they are the first
+    ``response_length`` of each response (verl's right-padded layout; the
+    trace aggregators write columns that agree with the mask, and the
+    mask is not read). ``advantages``, ``returns`` and ``values``
     must be finite at the other positions (estimators write 0 there).
     ``lengths`` are the rows' :func:`sequence_lengths`, when already known.
     """
     prompt_length, response_length = sequence_lengths(batch) if lengths is None else lengths
     max_response_length = batch["responses"].shape[-1]
     max_prompt_length = batch["attention_mask"].shape[-1] - max_response_length
-    valid = batch["attention_mask"][:, max_prompt_length:].bool()
+    if has_length_columns(batch):
+        valid = torch.arange(max_response_length) < response_length[:, None]
+    else:
+        valid = batch["attention_mask"][:, max_prompt_length:].bool()
     names = ["advantages", "returns"] + (["values"] if use_critic else [])
     distinct = {id(batch[name]): batch[name] for name in names}  # outcome estimators return one tensor as both
     # Masked reductions by arithmetic with w, the 0/1 mask in the values' dtype (torch.where and masked_fill
@@ -86,8 +97,7 @@ def row_statistics(batch: Batch, use_critic: bool,
     # per reduction costs more in page faults than the arithmetic.
     # (bool -> uint8 -> float: bool -> float directly is a slow path in torch.)
     weights = {dtype: valid.view(torch.uint8).to(dtype) for dtype in {x.dtype for x in distinct.values()}}
-    # Without length columns, response_length is the count of the mask's bits; with them, count the bits.
-    n_valid = next(iter(weights.values())).sum(-1) if "response_length" in batch else response_length
+    n_valid = response_length  # the count of valid's bits
     columns = {
         "score": batch["token_level_scores"].sum(-1),
         "reward": batch["token_level_rewards"].sum(-1),

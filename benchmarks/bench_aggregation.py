@@ -152,7 +152,8 @@ def reference_trajectory(rollouts: list[Rollout], max_prompt: int, max_response:
     """The same algorithm as ``trajectory_batch`` (default settings), one triplet and one row at a time."""
     columns: dict[str, list] = {k: [] for k in ("prompts", "prompt_mask", "responses", "response_attention",
                                                   "response_mask", "scores", "logprobs", "drop", "uid",
-                                                  "rollout_id", "turn_index")}
+                                                  "rollout_id", "turn_index", "prompt_length",
+                                                  "response_length")}
     for rollout in rollouts:
         if rollout.status != "succeeded":
             continue
@@ -214,6 +215,8 @@ def reference_trajectory(rollouts: list[Rollout], max_prompt: int, max_response:
             columns["logprobs"].append(right_pad(logprobs, max_response, 0.0)[0])
             columns["scores"].append(scores)
             columns["drop"].append(drop)
+            columns["prompt_length"].append(len(prompt))
+            columns["response_length"].append(len(response))
             columns["uid"].append(rollout.task_id)
             columns["rollout_id"].append(rollout.rollout_id)
             columns["turn_index"].append(segment[0])
@@ -227,7 +230,9 @@ def reference_trajectory(rollouts: list[Rollout], max_prompt: int, max_response:
                  "response_mask": torch.tensor(columns["response_mask"]),
                  "token_level_scores": torch.tensor(columns["scores"], dtype=torch.float32),
                  "is_drop_mask": torch.tensor(columns["drop"], dtype=torch.bool),
-                 "rollout_log_probs": torch.tensor(columns["logprobs"], dtype=torch.float32)},
+                 "rollout_log_probs": torch.tensor(columns["logprobs"], dtype=torch.float32),
+                 "prompt_length": torch.tensor(columns["prompt_length"], dtype=torch.float32),
+                 "response_length": torch.tensor(columns["response_length"], dtype=torch.float32)},
         non_tensors={"uid": uid, "data_id": uid.copy(), "rollout_id": np.array(columns["rollout_id"], dtype=object),
                      "turn_index": np.array(columns["turn_index"], dtype=np.int64)})
 

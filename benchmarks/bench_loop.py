@@ -1,7 +1,8 @@
 """The core's own time per training step, side by side with the direct calls without our layer.
 
-A backend plugin whose hooks are instant (they hand back precomputed tensors)
-runs a full step through every hook of the loop: collect, the post-process
+A backend plugin whose hooks are instant (they hand back precomputed tensors,
+the post-process stage the columns agl-plugin-traces builds) runs a full step
+through every hook of the loop: collect, the post-process
 pipeline, pad, old log-probs, reference log-probs, unpad, KL in reward,
 advantage (grpo), data metrics before and after, drop, shuffle and floor,
 balance, actor update, timing and throughput metrics. The reference is the
@@ -61,6 +62,8 @@ def make_columns(seed: int = 0) -> dict[str, torch.Tensor]:
         "attention_mask": attention_mask, "position_ids": attention_mask.cumsum(-1) - 1,
         "response_mask": response_mask, "token_level_scores": scores,
         "is_drop_mask": torch.zeros(ROWS, dtype=torch.bool),
+        # The trace aggregators' length columns (verl's metrics and the loop read them instead of the mask).
+        "prompt_length": prompt_mask.sum(-1).float(), "response_length": lengths.float(),
         "old_log_probs": -torch.rand(ROWS, RESPONSE, generator=g) * response_mask,
         "entropys": torch.rand(ROWS, RESPONSE, generator=g) * response_mask,
         "ref_log_prob": -torch.rand(ROWS, RESPONSE, generator=g) * response_mask,

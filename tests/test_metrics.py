@@ -109,14 +109,19 @@ def test_no_response_tokens_gives_nan_token_statistics():
     assert not math.isnan(metrics["critic/score/mean"])
 
 
-def test_length_columns_shortcut_matches_verl():
+@pytest.mark.parametrize("use_critic", [False, True])
+def test_length_columns_shortcut_matches_verl_and_the_mask(use_critic):
+    """With prompt_length/response_length columns (as the trace aggregators write them, in agreement with the
+    attention mask) the mask is not read: the metrics equal verl's and those computed from the mask."""
     batch = random_batch(4)
-    batch["prompt_length"] = torch.full((len(batch),), 7.0)
-    batch["response_length"] = torch.arange(1, len(batch) + 1, dtype=torch.float32)
-    ours = compute_data_metrics(batch, use_critic=False)
-    theirs = verl_metrics.compute_data_metrics(batch.to_dataproto(), use_critic=False)
-    assert ours["prompt_length/mean"] == 7.0
-    assert_close(ours, theirs, DATA_KEYS)
+    from_mask = compute_data_metrics(batch, use_critic=use_critic)
+    width = batch["responses"].shape[-1]
+    batch["prompt_length"] = batch["attention_mask"][:, :-width].sum(-1).float()
+    batch["response_length"] = batch["attention_mask"][:, -width:].sum(-1).float()
+    ours = compute_data_metrics(batch, use_critic=use_critic)
+    theirs = verl_metrics.compute_data_metrics(batch.to_dataproto(), use_critic=use_critic)
+    assert_close(ours, theirs, DATA_KEYS + (CRITIC_KEYS if use_critic else []))
+    assert ours == pytest.approx(from_mask, nan_ok=True)
 
 
 def test_empty_batch_data_metrics():

@@ -38,7 +38,8 @@ from agl_plugin_traces.reservation import Reservation
 
 _ITEM = 8  # bytes per packed token id or log-prob (TokenIds, LogProbs: 64-bit items)
 _ORDER = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask",
-          "token_level_scores", "is_drop_mask", "rollout_log_probs")  # the order of the batch's tensors
+          "token_level_scores", "is_drop_mask", "rollout_log_probs", "prompt_length",
+          "response_length")  # the order of the batch's tensors
 _HEADROOM = 8  # a reservation for n rows holds n + n // _HEADROOM: rows a rollout adds (prefix breaks) still fit
 
 
@@ -259,7 +260,10 @@ class RowBuilder:
         ``token_level_scores`` (n, R) float32, the rewards at their positions;
         ``rollout_log_probs`` (n, R) float32, 0 off the model tokens, present
         only when every model token's log-prob is known; ``is_drop_mask`` (n,)
-        bool. Non-tensors: ``uid`` and ``data_id`` (the group: the task id),
+        bool; ``prompt_length`` and ``response_length`` (n,) float32 (the type
+        verl's metrics give them), the row's real tokens on either side: verl's
+        metrics read these columns when present instead of counting
+        ``attention_mask``, and so does the loop. Non-tensors: ``uid`` and ``data_id`` (the group: the task id),
         ``rollout_id``, ``turn_index`` (index of the row's first call).
         """
         layout = self._layout()
@@ -282,6 +286,8 @@ class RowBuilder:
         else:
             tensors = {**self._tokens(layout, model_at, out, pad_token_id), **self._masks(layout, out)}
         tensors["is_drop_mask"] = torch.from_numpy(np.array(self.is_drop, dtype=bool)[rows])
+        tensors["prompt_length"] = torch.from_numpy(np.array(self.prompt_len, dtype=np.float32)[rows])
+        tensors["response_length"] = torch.from_numpy(layout.response_len.astype(np.float32))
         tensors = {name: tensors[name] for name in _ORDER if name in tensors}
         uid = np.array(self.uid, dtype=object)[rows]
         return Batch(

@@ -53,7 +53,11 @@ def aggregate(name, r, max_prompt, max_response):
 @given(r=agent_rollout(), lengths=limits)
 def test_every_trained_token_was_produced_by_the_model_and_is_trained_once(aggregator, r, lengths):
     max_prompt, max_response = lengths
-    got = rows(aggregate(aggregator, r, max_prompt, max_response))
+    batch = aggregate(aggregator, r, max_prompt, max_response)
+    got = rows(batch)
+    # The length columns count the real tokens on either side, as the attention mask marks them.
+    assert batch["prompt_length"].tolist() == batch["attention_mask"][:, :max_prompt].sum(-1).tolist()
+    assert batch["response_length"].tolist() == batch["attention_mask"][:, max_prompt:].sum(-1).tolist()
     produced = [t for call in rollout_calls(r, TraceCounts()) for t in call.response_ids]
     trained = Counter(t for row in got for t in row.trained)
     assert all(t >= MODEL for t in trained), "a token the model did not produce has mask 1"
