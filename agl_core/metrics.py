@@ -85,19 +85,22 @@ def row_statistics(batch: Batch, use_critic: bool,
     prompt_length, response_length = sequence_lengths(batch) if lengths is None else lengths
     max_response_length = batch["responses"].shape[-1]
     max_prompt_length = batch["attention_mask"].shape[-1] - max_response_length
-    if has_length_columns(batch):
-        valid = torch.arange(max_response_length) < response_length[:, None]
-    else:
-        valid = batch["attention_mask"][:, max_prompt_length:].bool()
     names = ["advantages", "returns"] + (["values"] if use_critic else [])
     distinct = {id(batch[name]): batch[name] for name in names}  # outcome estimators return one tensor as both
     # Masked reductions by arithmetic with w, the 0/1 mask in the values' dtype (torch.where and masked_fill
     # are slow with a bool mask): a row's sum is w . x; with f = (w - 1) * finfo.max, its max is max(x + f)
     # and its min is min(x - f), exact for finite x. Two (N, R) buffers per dtype in all: a fresh temporary
     # per reduction costs more in page faults than the arithmetic.
-    # (bool -> uint8 -> float: bool -> float directly is a slow path in torch.)
-    weights = {dtype: valid.view(torch.uint8).to(dtype) for dtype in {x.dtype for x in distinct.values()}}
-    n_valid = response_length  # the count of valid's bits
+    dtypes = {x.dtype for x in distinct.values()}
+    if has_length_columns(batch):
+        # w = clamp(length - position, 0, 1): 1 on the first ``length`` positions, in two float passes (a
+        # comparison makes a bool mask, slow to build and to convert).
+        weights = {dtype: torch.sub(response_length.to(dtype)[:, None],
+                                    torch.arange(max_response_length, dtype=dtype)).clamp_(0, 1) for dtype in dtypes}
+    else:
+        valid = batch["attention_mask"][:, max_prompt_length:].bool()
+        weights = {dtype: valid.view(torch.uint8).to(dtype) for dtype in dtypes}  # bool -> float directly is slow
+    n_valid = response_length  # the count of w's ones
     columns = {
         "score": batch["token_level_scores"].sum(-1),
         "reward": batch["token_level_rewards"].sum(-1),
