@@ -17,9 +17,11 @@ percent within minutes) and the same caches (each starts where the other
 left off, as a step starts after the backend's work in a real run).
 
 At world_size 8 the step also balances tokens over the ranks (exact
-Karmarkar-Karp, verl's partitions); that cost is part of the core overhead,
-and is printed on its own (``balance_ms``) next to verl's
-``get_seqlen_balanced_partitions`` on the same rows (``verl_balance_ms``).
+Karmarkar-Karp, verl's partitions). Like the KL penalty and grpo, that is
+algorithm work, which the reference does too (with the same function, as it
+uses agl_core's KL and grpo functions); its time is printed on its own
+(``balance_ms``) next to verl's ``get_seqlen_balanced_partitions`` on the
+same rows (``verl_balance_ms``).
 
 Prints one JSON line per data-parallel size. Target: core overhead <= 2 ms per step for 1,024 rows.
 """
@@ -110,8 +112,9 @@ class InstantBackend:
         return {"actor/pg_loss": 0.0}
 
 
-def direct_step() -> dict:
-    """The same backend work and algorithm math (KL in reward, grpo) with nothing around them."""
+def direct_step(world_size: int = 1) -> dict:
+    """The same backend work and algorithm math (KL in reward, grpo, token balancing over ``world_size`` ranks)
+    with nothing around them."""
     columns = {k: COLUMNS[k] for k in TRACE_COLUMNS}
     columns["old_log_probs"], columns["entropys"] = COLUMNS["old_log_probs"], COLUMNS["entropys"]
     columns["ref_log_prob"] = COLUMNS["ref_log_prob"]
@@ -120,6 +123,8 @@ def direct_step() -> dict:
         FixedKLController(0.001))
     columns["advantages"], columns["returns"] = grpo(
         token_level_rewards=columns["token_level_rewards"], response_mask=columns["response_mask"], index=UID)
+    if world_size > 1:
+        balanced_order((columns["prompt_length"] + columns["response_length"]).numpy(), world_size)
     return {"actor/pg_loss": 0.0}
 
 
@@ -147,7 +152,7 @@ def measure(world_size: int) -> dict:
         plugins.broadcast("on_train_start", ctx=trainer.ctx)
         metrics = trainer.train_step(tasks)
         assert metrics["training/n_triplets_dropped_remainder"] == 0 and "actor/pg_loss" in metrics
-        ours, direct = median_ms(lambda: trainer.train_step(tasks), direct_step)
+        ours, direct = median_ms(lambda: trainer.train_step(tasks), lambda: direct_step(world_size))
     result = {
         "bench": "loop", "rows": ROWS, "prompt_length": PROMPT, "response_length": RESPONSE,
         "world_size": world_size, "ours_ms": round(ours, 3), "direct_ms": round(direct, 3),
