@@ -229,7 +229,7 @@ class RowBuilder:
         scored = last[reward_row] >= 0  # rewards of dropped rows go with them
         score_at = new_row[reward_row[scored]] * R + reward_pos[scored]
 
-        known = all(self.logprobs[turn] is not None for turn in model_turns.tolist())
+        known = None not in map(self.logprobs.__getitem__, model_turns.tolist())
         self._laid_out = _Layout(
             rows=rows, response_len=response_len[rows], model_turns=model_turns,
             model_kept=model_kept[model_turns], model_at=new_row[model_row] * R + model_start[model_turns],
@@ -268,11 +268,6 @@ class RowBuilder:
         """
         layout = self._layout()
         rows = layout.rows
-        # Every model token's flat index in the (n, R) response tensors, in the order of the turns.
-        kept = layout.model_kept
-        first = np.cumsum(kept) - kept  # index of each turn's first token among all model tokens
-        model_at = np.arange(int(kept.sum()), dtype=np.int64) + np.repeat(layout.model_at - first, kept)
-
         # Two independent halves of about equal size: the token ids, log-probs and response mask (where the model
         # spoke), and the attention mask, position ids and scores (from the row lengths). Most of their time is the
         # kernel mapping fresh pages for 10-500 MB of output, which two threads do side by side; NumPy and
@@ -281,10 +276,10 @@ class RowBuilder:
         if torch.get_num_threads() > 1 and len(rows):
             with ThreadPoolExecutor(1, thread_name_prefix="agl-traces-rows") as helper:
                 masks = helper.submit(self._masks, layout, out)
-                tensors = self._tokens(layout, model_at, out, pad_token_id)
+                tensors = self._tokens(layout, out, pad_token_id)
                 tensors.update(masks.result())
         else:
-            tensors = {**self._tokens(layout, model_at, out, pad_token_id), **self._masks(layout, out)}
+            tensors = {**self._tokens(layout, out, pad_token_id), **self._masks(layout, out)}
         tensors["is_drop_mask"] = torch.from_numpy(np.array(self.is_drop, dtype=bool)[rows])
         tensors["prompt_length"] = torch.from_numpy(np.array(self.prompt_len, dtype=np.float32)[rows])
         tensors["response_length"] = torch.from_numpy(layout.response_len.astype(np.float32))
@@ -300,11 +295,14 @@ class RowBuilder:
     # with madvise(MADV_HUGEPAGE), and where the kernel then compacts memory on page faults
     # (transparent_hugepage/defrag = madvise) filling a fresh array stalls: 3x slower on a 2-core box.
 
-    def _tokens(self, layout: _Layout, model_at: np.ndarray, out: dict[str, torch.Tensor],
-                pad_token_id: int) -> dict[str, torch.Tensor]:
+    def _tokens(self, layout: _Layout, out: dict[str, torch.Tensor], pad_token_id: int) -> dict[str, torch.Tensor]:
         """``input_ids``, ``prompts`` and ``responses`` (views of it), ``response_mask`` and, when known,
         ``rollout_log_probs``, written into ``out``'s uninitialised tensors."""
         P = self.P
+        # Every model token's flat index in the (n, R) response tensors, in the order of the turns.
+        kept = layout.model_kept
+        first = np.cumsum(kept) - kept  # index of each turn's first token among all model tokens
+        model_at = np.arange(int(kept.sum()), dtype=np.int64) + np.repeat(layout.model_at - first, kept)
         input_ids = out["input_ids"].fill_(pad_token_id)
         self._copy_tokens(input_ids, layout.rows.tolist(), layout.response_len.tolist())
         # prompts and responses are the two sides of input_ids, as they are in every row of verl's batch:
@@ -342,7 +340,7 @@ class RowBuilder:
         """The log-probs of the kept model tokens, in order: one join of the spans' packed buffers."""
         logprobs, response = self.logprobs, self.response
         turns = layout.model_turns.tolist()
-        values = np.frombuffer(b"".join([logprobs[t] for t in turns]), dtype=np.float64)
+        values = np.frombuffer(b"".join(map(logprobs.__getitem__, turns)), dtype=np.float64)
         if len(values) == int(layout.model_kept.sum()):
             return values  # no call was cut
         full = np.array([response[t] for t in turns], dtype=np.int64)
