@@ -58,6 +58,7 @@ class _Packed(Sequence):
     __slots__ = ("packed",)
     _typecode: ClassVar[str]  # array module type code of an item
     _dtype: ClassVar[np.dtype]
+    itemsize: ClassVar[int]  # bytes per item in ``packed``
 
     def __init__(self, items: Iterable = ()):
         if isinstance(items, type(self)):
@@ -91,7 +92,7 @@ class _Packed(Sequence):
         raise AttributeError(f"{type(self).__name__} is immutable")
 
     def __len__(self) -> int:
-        return len(self.packed) // self._dtype.itemsize
+        return len(self.packed) // self.itemsize
 
     def __getitem__(self, index):
         if isinstance(index, slice):
@@ -148,14 +149,14 @@ class TokenIds(_Packed):
     """Token ids packed as int64, 8 bytes each (a list of ints costs about 40 bytes per id)."""
 
     __slots__ = ()
-    _typecode, _dtype = "q", np.dtype(np.int64)
+    _typecode, _dtype, itemsize = "q", np.dtype(np.int64), 8
 
 
 class LogProbs(_Packed):
     """Log-probs packed as float64, 8 bytes each: the same values as the list of floats they come from."""
 
     __slots__ = ()
-    _typecode, _dtype = "d", np.dtype(np.float64)
+    _typecode, _dtype, itemsize = "d", np.dtype(np.float64), 8
 
 
 def _packed_field(cls: type[_Packed], item_schema: core_schema.CoreSchema) -> Any:

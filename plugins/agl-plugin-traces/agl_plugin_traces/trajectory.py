@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sized
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from agl_core.data import Batch, Rollout
+from agl_core.data import Batch, Rollout, TokenIds
 
 from agl_plugin_traces.calls import TraceCounts, trainable_rollouts
 from agl_plugin_traces.mismatch import CLASSES, Tokenizer, classify_break, first_difference
@@ -86,12 +86,13 @@ def trajectory_batch(rollouts: Iterable[Rollout], max_prompt_length: int, max_re
             if previous is not None:
                 # Does this prompt extend the previous prompt + response? Two memcmp on the packed buffers.
                 packed, before, said = prompt.packed, previous.prompt_ids.packed, previous.response_ids.packed
-                n_before = len(before)
-                if (len(packed) >= n_before + len(said) and packed.startswith(before)
-                        and packed.startswith(said, n_before)):
+                context_bytes = len(before) + len(said)
+                if (len(packed) >= context_bytes and packed.startswith(before)
+                        and packed.startswith(said, len(before))):
                     # What follows the previous context is new (possibly nothing), then the model speaks.
-                    rows.add_turn(len(prompt) - len(previous.prompt_ids) - len(previous.response_ids),
-                                  len(call.response_ids), call.logprobs, own)
+                    # (Counted in bytes of the packed buffers: len() of a TokenIds is a Python call.)
+                    rows.add_turn((len(packed) - context_bytes) // TokenIds.itemsize, len(call.response_ids),
+                                  call.logprobs, own)
                     previous = call
                     continue
                 rows.end(previous.prompt_ids, previous.response_ids, uid, rollout_id, first_turn, reward)
