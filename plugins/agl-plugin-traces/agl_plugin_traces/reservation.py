@@ -64,13 +64,15 @@ class Reservation:
                 return
 
     def claim(self, n: int) -> dict[str, torch.Tensor] | None:
-        """The tensors' first ``n`` rows, or None when ``n`` rows do not fit (the caller allocates then).
+        """The tensors' first ``n`` rows; None when ``n`` rows do not fit, or fill less than half of them (views
+        would keep the rest mapped as long as the batch lives): the caller allocates then.
 
         The helper is told to stop, not waited for: a tensor it is still
         mapping can be written meanwhile.
         """
         self._stop.set()
         tensors, self._tensors = self._tensors, {}
-        if n > len(next(iter(tensors.values()))):
+        capacity = len(next(iter(tensors.values())))
+        if n > capacity or 2 * n < capacity:
             return None
         return {name: tensor[:n] for name, tensor in tensors.items()}

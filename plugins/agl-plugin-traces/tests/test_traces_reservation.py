@@ -24,3 +24,4 @@ def test_claim_gives_views_of_the_first_rows_or_none_when_they_do_not_fit():
         "ids": ((7, 6), torch.int64), "scores": ((7, 4), torch.float32)}
     assert all(t.is_contiguous() for t in claimed.values())
     assert Reservation(columns, capacity=10).claim(11) is None
+    assert Reservation(columns, capacity=10).claim(4) is None  # the views would hold on to 6 spare rows

@@ -94,7 +94,7 @@ def test_every_mismatch_class_is_counted_and_logged(tmp_path):
              llm(3, [1000, 99], [81])]  # other
     batch, metrics, breaks = trajectory_batch([rollout(spans)], 8, 16, tokenizer=FakeTokenizer(),
                                               keep_break_records=True)
-    assert len(batch) == 4
+    assert len(batch) == 5  # the first rollout breaks once
     assert {k: metrics[f"training/mismatch/{k}"] for k in ("template", "retokenization", "other", "unclassified")} \
         == {"template": 1, "retokenization": 1, "other": 1, "unclassified": 0}
     assert metrics["training/n_unmerged_rollouts"] == 1
@@ -213,3 +213,13 @@ def test_reserved_output_tensors_give_the_same_batch_as_fresh_ones(break_every, 
     assert list(reserved.tensors.keys()) == list(fresh.tensors.keys())
     for name in fresh.tensors.keys():
         assert torch.equal(reserved[name], fresh[name]), name
+
+
+def test_a_batch_of_few_rows_does_not_keep_the_reservation_for_many():
+    """Most rollouts failed: the rows get fresh tensors, not views of storage reserved for every rollout."""
+    rollouts = agent_rollouts(40, 1000)
+    for r in rollouts[4:]:
+        r.status = "failed"
+    batch, _, _ = trajectory_batch(rollouts, 12, 24)
+    assert len(batch) == 5  # the first rollout breaks once
+    assert batch["input_ids"].untyped_storage().nbytes() == batch["input_ids"].numel() * 8
