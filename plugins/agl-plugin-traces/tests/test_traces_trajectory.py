@@ -94,7 +94,7 @@ def test_every_mismatch_class_is_counted_and_logged(tmp_path):
              llm(3, [1000, 99], [81])]  # other
     batch, metrics, breaks = trajectory_batch([rollout(spans)], 8, 16, tokenizer=FakeTokenizer(),
                                               keep_break_records=True)
-    assert len(batch) == 5  # the first rollout breaks once
+    assert len(batch) == 4
     assert {k: metrics[f"training/mismatch/{k}"] for k in ("template", "retokenization", "other", "unclassified")} \
         == {"template": 1, "retokenization": 1, "other": 1, "unclassified": 0}
     assert metrics["training/n_unmerged_rollouts"] == 1
