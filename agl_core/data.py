@@ -572,20 +572,22 @@ class Batch:
 
         The ``pad_size`` appended rows repeat the batch from its first row
         (wrapping around when ``pad_size > len``). ``pad_size`` is 0 when the
-        length is already a multiple of ``k`` (an empty batch included).
+        length is already a multiple of ``k`` (an empty batch included), and
+        the batch is then returned itself, as verl does.
         """
         if k < 1:
             raise ValueError(f"divisor must be >= 1, got {k}")
         pad_size = -len(self) % k
         if pad_size == 0:
-            return self.select(slice(None)), 0
+            return self, 0
         return self.select(np.arange(len(self) + pad_size) % len(self)), pad_size
 
     def unpad(self, pad_size: int) -> Batch:
-        """Drop the last ``pad_size`` rows (view), undoing ``pad_to_divisor``; verl's ``unpad_dataproto``."""
+        """Drop the last ``pad_size`` rows (view), undoing ``pad_to_divisor``; verl's ``unpad_dataproto``
+        (which returns the batch itself when ``pad_size`` is 0)."""
         if not 0 <= pad_size <= len(self):
             raise ValueError(f"pad_size must be in [0, {len(self)}], got {pad_size}")
-        return self.select(slice(0, len(self) - pad_size))
+        return self if pad_size == 0 else self.select(slice(0, len(self) - pad_size))
 
     def union(self, other: Batch) -> Batch:
         """Columns and meta of both batches (as verl's ``DataProto.union``, but returning a new Batch).
