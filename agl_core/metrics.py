@@ -139,11 +139,12 @@ def summarize(stats: RowStats, suffix: str = "") -> dict[str, float]:
     """The data metrics of the rows in ``stats`` (see :func:`compute_data_metrics`); ``{}`` when empty."""
     if len(stats) == 0:
         return {}
-    # One NumPy reduction per kind over the whole table, then pick the statistics.
+    # One NumPy reduction per kind over the whole table, then pick the statistics (as Python floats: NumPy
+    # scalars are slow to index, divide and convert one by one).
     table = stats.table
     column = {name: i for i, name in enumerate(stats.names)}
-    sums, maxes, mins = table.sum(1), table.max(1), table.min(1)
-    means = sums / len(stats)  # what ndarray.mean computes
+    sums, maxes, mins = table.sum(1).tolist(), table.max(1).tolist(), table.min(1).tolist()
+    means = [total / len(stats) for total in sums]  # what ndarray.mean computes
     out: dict[str, float] = {}
     for key, name in (("critic/score", "score"), ("critic/rewards", "reward"),
                       ("response_length", "response_length"), ("prompt_length", "prompt_length")):
@@ -167,8 +168,9 @@ def summarize(stats: RowStats, suffix: str = "") -> dict[str, float]:
 
 def _variance(total: float, total_sq: float, n: float) -> float:
     """Unbiased variance over all tokens from the sums of x and x² (torch.var's definition)."""
-    with np.errstate(invalid="ignore", divide="ignore"):  # one token or none: NaN, as torch.var gives
-        return (total_sq - total * total / n) / (n - 1)
+    if n < 2:  # one token or none: NaN, as torch.var gives
+        return math.nan
+    return (total_sq - total * total / n) / (n - 1)
 
 
 def compute_data_metrics(batch: Batch, use_critic: bool, suffix: str = "") -> dict[str, float]:
