@@ -223,9 +223,12 @@ def post_process_batch(ctx: TrainContext, batch: Batch) -> Batch:
     ``attention_mask``, ``position_ids``, ``prompts``, ``responses``,
     ``response_mask``, ``token_level_scores``, ``is_drop_mask`` and the
     non-tensor columns ``uid`` (the group of the row), ``rollout_id`` and
-    ``turn_index``. Later stages filter rows (zero-variance groups, rows per
-    rollout, …) and return the batch. Stages may report metrics in
-    ``ctx.step_metrics``.
+    ``turn_index``; optionally ``prompt_length`` and ``response_length``
+    (the real tokens on either side, as the attention mask marks them: the
+    loop's metrics then read these instead of the mask). Later stages filter
+    rows (zero-variance groups, rows per rollout, …) and return the batch; a
+    stage that changes ``attention_mask`` updates or drops the length
+    columns. Stages may report metrics in ``ctx.step_metrics``.
     """
 
 
