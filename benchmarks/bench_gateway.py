@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import subprocess
 import sys
@@ -44,6 +45,8 @@ def serve_gateway(upstream: str, n_rollouts: int) -> None:
     for _ in range(n_rollouts):
         store.dequeue("bench", lease_s=3600)
     server = Gateway(store, sampling={"temperature": 1.0, "max_tokens": 64}, upstreams=[upstream]).serve()
+    gc.collect()
+    gc.freeze()  # as Trainer.fit does once the run is set up: full collections skip the long-lived objects
     print(server.url, flush=True)
     sys.stdin.read()  # until the parent closes our stdin
     print(json.dumps({"spans": sum(len(e.spans) for e in store._entries.values())}), flush=True)
