@@ -40,8 +40,8 @@ class RowStats:
         return self.table.shape[1]
 
     def __getitem__(self, rows) -> RowStats:
-        return RowStats(np.ascontiguousarray(self.table[:, rows]), self.names, self.max_prompt_length, self.max_response_length,
-                        self.use_critic)
+        return RowStats(np.ascontiguousarray(self.table[:, rows]), self.names, self.max_prompt_length,
+                        self.max_response_length, self.use_critic)
 
     def column(self, name: str) -> np.ndarray:
         """The statistic ``name`` of every row, ``(N,)``."""
@@ -100,15 +100,13 @@ def row_statistics(batch: Batch, use_critic: bool,
     else:
         valid = batch["attention_mask"][:, max_prompt_length:].bool()
         weights = {dtype: valid.view(torch.uint8).to(dtype) for dtype in dtypes}  # bool -> float directly is slow
-    n_valid = response_length  # the count of w's ones
     columns = {
         "score": batch["token_level_scores"].sum(-1),
         "reward": batch["token_level_rewards"].sum(-1),
         "prompt_length": prompt_length,
-        "response_length": response_length,
-        "n_valid": n_valid,
+        "response_length": response_length,  # also the count of w's ones: the tokens the statistics cover
     }
-    empty = n_valid == 0
+    empty = response_length == 0
     reduced: dict[int, dict[str, torch.Tensor]] = {}
     if use_critic:  # before the weights become fences
         returns, values = batch["returns"].double(), batch["values"].double()
@@ -150,7 +148,7 @@ def summarize(stats: RowStats, suffix: str = "") -> dict[str, float]:
                       ("response_length", "response_length"), ("prompt_length", "prompt_length")):
         i = column[name]
         out.update({f"{key}/mean": means[i], f"{key}/max": maxes[i], f"{key}/min": mins[i]})
-    n = sums[column["n_valid"]]
+    n = sums[column["response_length"]]  # tokens the advantage statistics cover
     for name in ["advantages", "returns"] + (["values"] if stats.use_critic else []):
         if n > 0:
             out.update({f"critic/{name}/mean": sums[column[f"{name}_sum"]] / n,

@@ -73,6 +73,7 @@ def make_columns(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 COLUMNS = make_columns()
+SEQLENS = (COLUMNS["prompt_length"] + COLUMNS["response_length"]).numpy()  # valid tokens per row: what is balanced
 TRACE_COLUMNS = [k for k in COLUMNS if k not in ("old_log_probs", "entropys", "ref_log_prob")]
 UID = np.array([f"task-{i // GROUP}" for i in range(ROWS)], dtype=object)
 
@@ -124,7 +125,7 @@ def direct_step(world_size: int = 1) -> dict:
     columns["advantages"], columns["returns"] = grpo(
         token_level_rewards=columns["token_level_rewards"], response_mask=columns["response_mask"], index=UID)
     if world_size > 1:
-        balanced_order((columns["prompt_length"] + columns["response_length"]).numpy(), world_size)
+        balanced_order(SEQLENS, world_size)
     return {"actor/pg_loss": 0.0}
 
 
@@ -159,10 +160,9 @@ def measure(world_size: int) -> dict:
         "core_overhead_ms": round(ours - direct, 3), "ratio": round(ours / direct, 2), "target_overhead_ms": 2.0,
     }
     if world_size > 1:
-        seqlens = COLUMNS["attention_mask"].sum(-1).numpy()
-        work = workload(seqlens).tolist()
+        work = workload(SEQLENS).tolist()
         ours_balance, verl_balance = median_ms(
-            lambda: balanced_order(seqlens, world_size),
+            lambda: balanced_order(SEQLENS, world_size),
             lambda: get_seqlen_balanced_partitions(work, world_size, equal_size=True))
         result.update(balance_ms=round(ours_balance, 3), verl_balance_ms=round(verl_balance, 3))
     return result

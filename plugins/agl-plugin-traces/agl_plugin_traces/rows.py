@@ -36,7 +36,6 @@ from agl_core.data import Batch, LogProbs, TokenIds
 
 from agl_plugin_traces.reservation import Reservation
 
-_ITEM = 8  # bytes per packed token id or log-prob (TokenIds, LogProbs: 64-bit items)
 _ORDER = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask",
           "token_level_scores", "is_drop_mask", "rollout_log_probs", "prompt_length",
           "response_length")  # the order of the batch's tensors
@@ -263,8 +262,9 @@ class RowBuilder:
         bool; ``prompt_length`` and ``response_length`` (n,) float32 (the type
         verl's metrics give them), the row's real tokens on either side: verl's
         metrics read these columns when present instead of counting
-        ``attention_mask``, and so does the loop. Non-tensors: ``uid`` and ``data_id`` (the group: the task id),
-        ``rollout_id``, ``turn_index`` (index of the row's first call).
+        ``attention_mask``, and so does the loop. Non-tensors: ``uid`` and
+        ``data_id`` (the group: the task id), ``rollout_id``, ``turn_index``
+        (index of the row's first call).
         """
         layout = self._layout()
         rows = layout.rows
@@ -354,18 +354,19 @@ class RowBuilder:
         per row: the kept prompt right-aligned in the first ``P`` columns, the response window from column ``P``."""
         if not input_ids.numel():
             return
-        P, width = self.P, input_ids.shape[1] * _ITEM
+        item = TokenIds.itemsize  # bytes per token id, in the spans' buffers and in the int64 tensor alike
+        P, width = self.P, input_ids.shape[1] * item
         out = memoryview(input_ids.numpy()).cast("B")  # the tensor's bytes, row after row
         prompt_src, prompt_from, prompt_len = self.prompt_src, self.prompt_from, self.prompt_len
         context_prompt, context_response, window = self.context_prompt, self.context_response, self.window
         at_row = 0
         for row, n_response in zip(rows, response_len):
-            n_prompt, first = prompt_len[row] * _ITEM, prompt_from[row] * _ITEM
-            at = at_row + P * _ITEM - n_prompt
+            n_prompt, first = prompt_len[row] * item, prompt_from[row] * item
+            at = at_row + P * item - n_prompt
             out[at: at + n_prompt] = memoryview(prompt_src[row])[first: first + n_prompt]
             context = context_prompt[row]
-            at, start = at_row + P * _ITEM, window[row] * _ITEM
-            stop = start + n_response * _ITEM
+            at, start = at_row + P * item, window[row] * item
+            stop = start + n_response * item
             if start < len(context):  # the window starts in the call's prompt ...
                 part = memoryview(context)[start: stop]
                 out[at: at + len(part)] = part
