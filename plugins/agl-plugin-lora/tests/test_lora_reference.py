@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import torch
 
+from agl_core.builtin.estimators import vanilla_policy_loss
+
 from agl_plugin_torch import modeling, training
 
 from agl_plugin_lora.embedded import reference_logprobs
 from agl_plugin_lora.settings import LoraSettings
-from agl_plugin_torch.testing import policy_loss, sampled_rows
+from agl_plugin_torch.testing import sampled_rows
 from lora_testkit import adapted_backend, algorithm
 
 
@@ -27,7 +29,7 @@ def train(backend, batch, steps=3):
         batch["old_log_probs"] = backend.logprobs(backend.actor, batch, with_entropy=False)[0]
         batch["advantages"] = torch.linspace(-1, 1, len(batch)).unsqueeze(1).expand_as(batch["responses"]).clone()
         training.update_actor(backend.actor, backend.actor_optim, backend.actor_sched, batch, algorithm(),
-                              policy_loss, backend.config.actor)
+                              vanilla_policy_loss, backend.config.actor)
 
 
 def test_reference_logprobs_equal_a_separate_base_model_before_and_after_training(backend):

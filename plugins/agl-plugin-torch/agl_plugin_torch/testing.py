@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from agl_core.builtin.estimators import vanilla_policy_loss as policy_loss  # noqa: F401 (the tests' loss)
 from agl_core.config import AlgorithmConfig
 from agl_core.data import Batch
 

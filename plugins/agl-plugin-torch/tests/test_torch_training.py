@@ -3,10 +3,12 @@
 import pytest
 import torch
 
+from agl_core.builtin.estimators import vanilla_policy_loss
+
 from agl_plugin_torch import training
 from agl_plugin_torch.backend import create
 from agl_plugin_torch.settings import TorchConfig
-from agl_plugin_torch.testing import algorithm, policy_loss, sampled_rows, tiny_section
+from agl_plugin_torch.testing import algorithm, sampled_rows, tiny_section
 
 
 def test_the_ppo_loss_goes_down_on_a_fixed_batch(tmp_path):
@@ -17,7 +19,7 @@ def test_the_ppo_loss_goes_down_on_a_fixed_batch(tmp_path):
     good = batch["responses"][:, 0] % 2 == 0
     batch["advantages"] = torch.where(good, 1.0, -1.0).unsqueeze(-1) * batch["response_mask"]
     losses = [training.update_actor(backend.actor, backend.actor_optim, backend.actor_sched, batch, algorithm(),
-                                    policy_loss, backend.config.actor)["actor/pg_loss"] for _ in range(5)]
+                                    vanilla_policy_loss, backend.config.actor)["actor/pg_loss"] for _ in range(5)]
     # The old log-probs stay those of the first policy, so each update lowers the surrogate (until clipped).
     assert all(later < earlier for earlier, later in zip(losses, losses[1:]))
     new_log_probs, _ = backend.logprobs(backend.actor, batch, with_entropy=False)
@@ -29,7 +31,7 @@ def test_the_first_ppo_epoch_is_on_policy(backend):
     batch = sampled_rows(backend)
     batch["advantages"] = torch.randn(len(batch), 1) * batch["response_mask"]
     metrics = training.update_actor(backend.actor, backend.actor_optim, backend.actor_sched, batch, algorithm(),
-                                    policy_loss, backend.config.actor)
+                                    vanilla_policy_loss, backend.config.actor)
     # One mini-batch, one epoch: the only forward pass is before any step, so the ratio is 1.
     assert abs(metrics["actor/ppo_kl"]) < 1e-6 and metrics["actor/pg_clipfrac"] == 0.0
     assert metrics["actor/lr"] == backend.config.actor.lr and metrics["actor/grad_norm"] > 0
@@ -47,7 +49,8 @@ def test_micro_batches_accumulate_the_mini_batch_gradient(tmp_path, mode):
     config = algorithm(policy_loss={"loss_agg_mode": mode})
     # 16 rows in micro-batches of 3 (the last of 1): weighted by their share, their gradients sum to the whole's.
     norms = [training.update_actor(backend.actor, backend.actor_optim, backend.actor_sched, batch, config,
-                                   policy_loss, backend.config.actor)["actor/grad_norm"] for backend in (whole, split)]
+                                   vanilla_policy_loss, backend.config.actor)["actor/grad_norm"]
+             for backend in (whole, split)]
     assert norms[1] == pytest.approx(norms[0], rel=1e-5)
 
 
@@ -81,7 +84,7 @@ def test_the_reference_stays_at_the_initial_weights(backend):
     batch["advantages"] = torch.ones(len(batch), 1) * batch["response_mask"]
     initial = batch["old_log_probs"]
     training.update_actor(backend.actor, backend.actor_optim, backend.actor_sched, batch, algorithm(ppo_epochs=3),
-                          policy_loss, backend.config.actor)
+                          vanilla_policy_loss, backend.config.actor)
     reference, _ = backend.logprobs(backend.reference(), batch, with_entropy=False)
     mask = batch["response_mask"].bool()
     torch.testing.assert_close(reference[mask], initial[mask])
