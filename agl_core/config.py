@@ -121,6 +121,11 @@ class GatewayConfig(Section):
     token: str | None = Field(None, description="bearer token agents must send (default: $AGL_GATEWAY_TOKEN); "
                                                 "required when host is not a loopback address")
     max_body_bytes: int = Field(8 * 2**20, ge=1024, description="larger request bodies are refused with 413")
+    body_timeout_s: float = Field(30.0, gt=0, description="time a client may take to send a request body; "
+                                                          "a slower one is answered 408 and disconnected")
+    max_n: int = Field(64, ge=1, description="most choices one call may ask for (n); more is refused with 400")
+    upstream_token: str | None = Field(None, description="bearer token sent to the policy servers (default: "
+                                                         "$AGL_POLICY_TOKEN); needed when they serve off loopback")
     max_retries: int = Field(3, ge=0, description="retries of a policy call answered 429/5xx or refused")
     retry_backoff_s: float = Field(0.1, ge=0, description="first retry delay; doubles with each retry")
     upstream_timeout_s: float = Field(600.0, gt=0, description="time allowed for one policy call")

@@ -1,0 +1,196 @@
+"""The rules every HTTP server of the project keeps: the gateway, the policy endpoint, the store server.
+
+- It binds 127.0.0.1 by default; any other address only with a bearer token
+  (:func:`require_token_off_loopback`), compared in constant time (:func:`check_bearer`).
+- Request bodies are bounded in size and in the time a client may take to send
+  them (:func:`read_body`): a huge or a trickling body costs the server nothing.
+- A bad request fails alone, with a 4xx whose message names what is wrong
+  (:class:`RequestError`): malformed or too deeply nested JSON
+  (:func:`parse_json_object`), and sampling parameters out of range or not
+  finite (:func:`check_sampling`), which are checked at the door so that they
+  never reach an engine that would fail a whole batch over them.
+- ``/healthz`` (``/health``) without the token says only that the server is
+  alive (:func:`health_response`): what it serves is for callers with the token.
+
+Error bodies use the OpenAI format, so the ``openai`` client raises with the message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import math
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse
+
+INT64_MAX = 2**63 - 1
+
+
+class RequestError(Exception):
+    """A request a server refuses: answered with ``status`` and ``message``, nothing recorded."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    """An error in the OpenAI format, so the openai client raises with ``message``."""
+    kind = ("authentication_error" if status == 401 else "invalid_request_error" if status < 500
+            else "api_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+# ---------------------------------------------------------------- who may call
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and addresses in 127.0.0.0/8 or ::1."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def require_token_off_loopback(what: str, host: str, token: str | None, setting: str) -> None:
+    """ValueError unless ``host`` is a loopback address or ``token`` is set (``setting`` names where to set it)."""
+    if not is_loopback(host) and not token:
+        raise ValueError(f"{what} binds {host}, which is not a loopback address: set {setting} "
+                         f"so that only callers with it get in")
+
+
+def has_bearer(request: Request, token: str | None) -> bool:
+    """Whether the request carries ``Authorization: Bearer <token>`` (always true without a token)."""
+    if token is None:
+        return True
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), token.encode())
+
+
+def check_bearer(request: Request, token: str | None) -> None:
+    """RequestError 401 unless the request carries the bearer token (no check without a token)."""
+    if not has_bearer(request, token):
+        raise RequestError(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>' "
+                                "(the openai client sends its api_key so)")
+
+
+def health_response(request: Request, token: str | None, details: dict[str, Any]) -> JSONResponse:
+    """``{"ok": true}``, with ``details`` only for a caller with the token (or when there is none)."""
+    return JSONResponse({"ok": True, **details} if has_bearer(request, token) else {"ok": True})
+
+
+# ---------------------------------------------------------------- the body
+
+
+async def read_body(request: Request, limit: int, limit_setting: str, timeout_s: float) -> bytes:
+    """The request body, at most ``limit`` bytes (413) and sent within ``timeout_s`` seconds (408)."""
+    too_big = RequestError(413, f"request body exceeds {limit} bytes ({limit_setting})")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_big
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestError(408, f"the request body was not received within {timeout_s:g} s") from None
+    except ClientDisconnect:
+        raise RequestError(400, "the client disconnected before sending the whole body") from None
+    return b"".join(chunks)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or the RequestError (400) that says what is wrong with it."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise RequestError(400, "request body is nested too deeply") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "request body must be a JSON object")
+    return body
+
+
+# ---------------------------------------------------------------- sampling parameters
+
+
+def integer(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
+    """``value`` as an int in ``[low, high]``; RequestError 400 naming ``name`` otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise RequestError(400, f"'{name}' must be an integer, got {_short(value)}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise RequestError(400, f"'{name}' must be in [{'-inf' if low is None else low}, "
+                                f"{'inf' if high is None else high}], got {value}")
+    return value
+
+
+def number(name: str, value: Any, *, low: float | None = None, high: float | None = None,
+           low_open: bool = False) -> float:
+    """``value`` as a finite float in ``[low, high]`` (``(low, high]`` with ``low_open``); RequestError otherwise."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise RequestError(400, f"'{name}' must be a number, got {_short(value)}")
+    value = float(value)  # an int too large for a float raises OverflowError: not a sane parameter either
+    if not math.isfinite(value):
+        raise RequestError(400, f"'{name}' must be a finite number, got {value}")
+    if (low is not None and (value < low or (low_open and value == low))) or (high is not None and value > high):
+        bounds = (f"{'(' if low_open else '['}{'-inf' if low is None else low}, "
+                  f"{'inf' if high is None else high}]")
+        raise RequestError(400, f"'{name}' must be in {bounds}, got {value}")
+    return value
+
+
+MIN_TEMPERATURE = 1e-2
+"""Temperatures in (0, 1e-2) are refused: logits divided by them overflow. 0 asks for greedy decoding."""
+
+_NUMBERS: dict[str, dict[str, Any]] = {
+    "top_p": {"low": 0.0, "high": 1.0, "low_open": True},
+    "min_p": {"low": 0.0, "high": 1.0},
+    "frequency_penalty": {"low": -2.0, "high": 2.0},
+    "presence_penalty": {"low": -2.0, "high": 2.0},
+    "repetition_penalty": {"low": 0.0, "high": 100.0, "low_open": True},
+}
+
+
+def check_sampling(body: dict[str, Any], *, max_n: int, logprobs_key: str | None = None) -> None:
+    """Check the OpenAI sampling fields of a chat or text completion request; RequestError 400 naming the field.
+
+    Absent and null fields are fine (the server's defaults apply). ``n`` may
+    be at most ``max_n``; ``logprobs_key`` (``top_logprobs`` for chat,
+    ``logprobs`` for completions) asks for at most 20 alternatives.
+    """
+    get = body.get
+    if get("n") is not None:
+        integer("n", get("n"), low=1, high=max_n)
+    for key in ("max_tokens", "max_completion_tokens"):
+        if get(key) is not None:
+            integer(key, get(key), low=1, high=INT64_MAX)
+    if get("temperature") is not None:
+        temperature = number("temperature", get("temperature"), low=0.0, high=100.0)
+        if 0 < temperature < MIN_TEMPERATURE:
+            raise RequestError(400, f"'temperature' must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
+                                    f"got {temperature!r}")
+    for key, bounds in _NUMBERS.items():
+        if get(key) is not None:
+            number(key, get(key), **bounds)
+    if get("seed") is not None:
+        integer("seed", get("seed"), low=0, high=INT64_MAX)
+    if get("top_k") is not None:
+        integer("top_k", get("top_k"), low=-1, high=INT64_MAX)
+    if logprobs_key is not None and get(logprobs_key) is not None and not isinstance(get(logprobs_key), bool):
+        integer(logprobs_key, get(logprobs_key), low=0, high=20)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
