@@ -140,7 +140,11 @@ def number(name: str, value: Any, *, low: float | None = None, high: float | Non
     """``value`` as a finite float in ``[low, high]`` (``(low, high]`` with ``low_open``); RequestError otherwise."""
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise RequestError(400, f"'{name}' must be a number, got {_short(value)}")
-    value = float(value)  # an int too large for a float raises OverflowError: not a sane parameter either
+    try:
+        value = float(value)
+    except OverflowError:  # an int too large for a float: not a sane parameter either
+        raise RequestError(400, f"'{name}' must be a finite number, got an integer of {value.bit_length()} bits") \
+            from None
     if not math.isfinite(value):
         raise RequestError(400, f"'{name}' must be a finite number, got {value}")
     if (low is not None and (value < low or (low_open and value == low))) or (high is not None and value > high):
