@@ -103,6 +103,19 @@ def test_completions_with_n_choices_give_one_span_each(endpoint, store, serve):
     assert all(s.response_token_ids == TOKENIZER.encode("echo") for s in recorded)
 
 
+def test_the_request_is_stored_once_and_each_span_holds_its_own_choice(endpoint, store, serve):
+    """Storage grows linearly with n: one request per call, one choice per span (n² before)."""
+    _, server = serve(store, [endpoint.url], max_n=40)
+    client(server).completions.create(model="policy", prompt="abc", n=40, max_tokens=4)
+    first, *others = spans(store)
+    assert first.attributes["request"]["n"] == 40 and "request_sequence_id" not in first.attributes
+    assert all("request" not in s.attributes and s.attributes["request_sequence_id"] == first.sequence_id
+               for s in others)
+    assert [[c["index"] for c in s.attributes["response"]["choices"]] for s in (first, *others)] == [
+        [i] for i in range(40)]
+    assert len(others) == 39 and all(s.response_token_ids == TOKENIZER.encode("echo") for s in others)
+
+
 def test_calls_of_a_rollout_are_ordered(endpoint, store, serve):
     _, server = serve(store, [endpoint.url])
     llm = client(server)
@@ -118,7 +131,23 @@ def test_calls_of_a_rollout_are_ordered(endpoint, store, serve):
     ("r1/attempt/1/v1/chat/completions", b'{"model": "m"}', 400, "'messages' must be a non-empty list"),
     ("r1/attempt/1/v1/chat/completions", b'{"messages": []}', 400, "'messages' must be a non-empty list"),
     ("r1/attempt/1/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 0}', 400,
-     "'n' must be a positive integer"),
+     "'n' must be in [1, 64], got 0"),
+    ("r1/attempt/1/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 100000}', 400,
+     "'n' must be in [1, 64], got 100000"),
+    ("r1/attempt/1/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', 400,
+     "'max_tokens' must be in [1, "),
+    ("r1/attempt/1/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+     400, "'temperature' must be a finite number"),
+    ("r1/attempt/1/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_p": Infinity}',
+     400, "'top_p' must be a finite number"),
+    ("r1/attempt/1/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1e-300}', 400, "'temperature' must be 0"),
+    ("r1/attempt/1/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "x"}], "seed": 18446744073709551616}', 400, "'seed' must be in"),
+    ("r1/attempt/1/v1/completions", b'{"prompt": "x", "logprobs": 21}', 400, "'logprobs' must be in [0, 20]"),
+    ("r1/attempt/1/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),
+    ("r1/attempt/1/v1/chat/completions", b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
+     "nested too deeply"),
     ("r1/attempt/1/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stream": true}', 400,
      "streaming is not supported"),
     ("r1/attempt/1/v1/completions", b'{"prompt": [1, 2, 3]}', 400, "'prompt' must be a string"),
@@ -216,6 +245,33 @@ def test_off_loopback_the_gateway_requires_its_token(endpoint, store, serve, mon
     llm = openai.OpenAI(base_url=Gateway.base_url(local, "r1", "1"), api_key="s3cret", max_retries=0)
     assert llm.chat.completions.create(model="m", messages=body["messages"]).choices[0].message.content == "echo: x"
     assert len(spans(store)) == 1
+
+
+def test_healthz_shows_its_upstreams_only_to_callers_with_the_token(endpoint, store, serve):
+    _, server = serve(store, [endpoint.url], host="0.0.0.0", token="s3cret")
+    url = f"http://127.0.0.1:{server.port}/healthz"
+    assert httpx.get(url, timeout=10).json() == {"ok": True}
+    assert httpx.get(url, headers={"Authorization": "Bearer s3cret"}, timeout=10).json() == {
+        "ok": True, "upstreams": [endpoint.url]}
+
+
+def test_the_upstream_token_is_sent_to_the_policy_servers(store, serve, monkeypatch):
+    seen = []
+
+    async def answer(request):
+        seen.append(request.headers.get("authorization"))
+        return JSONResponse({"error": {"message": "no"}}, status_code=400)
+
+    upstream = ServerThread(Starlette(routes=[Route("/v1/chat/completions", answer, methods=["POST"])])).start()
+    try:
+        monkeypatch.setenv("AGL_POLICY_TOKEN", "from-env")
+        for config, expected in (({}, "Bearer from-env"), ({"upstream_token": "t0k"}, "Bearer t0k")):
+            _, server = serve(store, [upstream.url + "/v1"], **config)
+            with pytest.raises(openai.BadRequestError):
+                client(server).chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+            assert seen[-1] == expected
+    finally:
+        upstream.stop()
 
 
 def test_the_token_can_come_from_the_environment(store, monkeypatch):

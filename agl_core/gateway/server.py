@@ -6,14 +6,19 @@ For each call the gateway checks the request, forwards it to the policy server
 pinned to the rollout with token ids and log-probs asked for, writes one
 ``llm_call`` span per choice to the store, and returns the server's answer
 unchanged. A request refused with a 4xx writes nothing.
+
+It keeps the rules of every server of the project (:mod:`agl_core.http_rules`):
+a token off loopback, bounded bodies, sampling parameters checked at the door
+(``n`` at most ``max_n``), a 400 naming the field for anything else. The
+``model`` an agent names is forwarded as it is: the policy server decides
+(the embedded backend serves any name, vLLM refuses names it does not serve).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
-import hmac
-import ipaddress
 import json
 import logging
 import os
@@ -23,42 +28,22 @@ from typing import Any
 import aiohttp
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from agl_core.config import GatewayConfig
 from agl_core.data import Span
 from agl_core.gateway.capture import CHAT, COMPLETIONS, Captured, ask_for_tokens, capture, without_token_fields
 from agl_core.gateway.upstream import Forwarded, Upstreams, post_with_retries
+from agl_core.http_rules import (RequestError, check_bearer, check_sampling, error_response, health_response,
+                                 parse_json_object, read_body, require_token_off_loopback)
 from agl_core.http_server import ServerThread
-from agl_core.store import Store
+from agl_core.store import AttemptState, Store
 
 TOKEN_ENV = "AGL_GATEWAY_TOKEN"
+UPSTREAM_TOKEN_ENV = "AGL_POLICY_TOKEN"
 log = logging.getLogger("agl_core.gateway")
 PREFIX = "/rollout/{rollout_id}/attempt/{attempt_id}/v1"
-
-
-class RequestError(Exception):
-    """A request the gateway refuses: answered with ``status`` and ``message``, nothing recorded."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def error_response(status: int, message: str) -> JSONResponse:
-    """An error in the OpenAI format, so the openai client raises with ``message``."""
-    kind = "authentication_error" if status == 401 else "invalid_request_error" if status < 500 else "api_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
 class Gateway:
@@ -78,9 +63,9 @@ class Gateway:
         self.store = store
         self.config = config or GatewayConfig()
         self.token = self.config.token or os.environ.get(TOKEN_ENV) or None
-        if not is_loopback(self.config.host) and not self.token:
-            raise ValueError(f"the gateway binds {self.config.host}, which is not a loopback address: "
-                             f"set rollout.gateway.token (or ${TOKEN_ENV}) so that only agents with it get in")
+        require_token_off_loopback("the gateway", self.config.host, self.token,
+                                   f"rollout.gateway.token (or ${TOKEN_ENV})")
+        self.upstream_token = self.config.upstream_token or os.environ.get(UPSTREAM_TOKEN_ENV) or None
         self.sampling = {k: v for k, v in (sampling or {}).items() if v is not None}
         self.upstreams = Upstreams(list(upstreams))
         self.seed = seed
@@ -105,7 +90,8 @@ class Gateway:
     async def _lifespan(self, app: Starlette):
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         timeout = aiohttp.ClientTimeout(total=self.config.upstream_timeout_s)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        headers = {"Authorization": f"Bearer {self.upstream_token}"} if self.upstream_token else None
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
             self._session = session
             yield
         self._session = None
@@ -119,24 +105,19 @@ class Gateway:
         return await self._handle(request, COMPLETIONS)
 
     async def _health(self, request: Request) -> Response:
-        return JSONResponse({"ok": True, "upstreams": list(self.upstreams.urls)})
+        return health_response(request, self.token, {"upstreams": list(self.upstreams.urls)})
 
     async def _handle(self, request: Request, endpoint: str) -> Response:
+        rollout_id, attempt_id = request.path_params["rollout_id"], request.path_params["attempt_id"]
         try:
-            self._check_token(request)
-            body = _parse(endpoint, await self._read_body(request))
-            rollout_id, attempt_id = request.path_params["rollout_id"], request.path_params["attempt_id"]
-            state = self.store.attempt_state(rollout_id, attempt_id)
-            if state is None:
-                raise RequestError(404, f"unknown rollout {rollout_id!r}")
-            if not state.current:
-                raise RequestError(409, f"attempt {attempt_id!r} of rollout {rollout_id!r} is not running "
-                                        f"(the rollout is {state.rollout_status}); its calls are not recorded")
-            sequence_ids = [self.store.next_sequence_id(rollout_id) for _ in range(max(1, body.get("n") or 1))]
+            check_bearer(request, self.token)
+            body = self._parse(endpoint, await read_body(request, self.config.max_body_bytes,
+                                                         "rollout.gateway.max_body_bytes",
+                                                         self.config.body_timeout_s))
+            # The store may block (a SQLite read, a lock held by a writer): never on the event loop.
+            state, sequence_ids = await asyncio.to_thread(self._admit, rollout_id, attempt_id, body.get("n") or 1)
         except RequestError as exc:
             return error_response(exc.status, str(exc))
-        except KeyError:  # released between the check and here: it ended meanwhile
-            return error_response(409, f"rollout {rollout_id!r} ended; its calls are not recorded")
         start = time.time()
         upstream = self.upstreams.pick(rollout_id)
         if upstream is None:
@@ -150,41 +131,49 @@ class Gateway:
             payload = json.dumps(upstream_body).encode()
             forwarded = await post_with_retries(self._session, url, payload,
                                                 self.config.max_retries, self.config.retry_backoff_s)
-        common = {"endpoint": endpoint, "request": body, "upstream": upstream, "status_code": forwarded.status,
+        common = {"endpoint": endpoint, "upstream": upstream, "status_code": forwarded.status,
                   "upstream_tries": forwarded.tries, "weight_version": self.weight_version,
                   "agent_name": state.metadata.get("agent_name")}
-        spans = _spans(rollout_id, attempt_id, sequence_ids, endpoint, forwarded, common, start, time.time())
-        try:
-            self.store.add_spans(spans)
-        except KeyError:  # the rollout ended (timed out) and was consumed while this call was in flight
-            log.info("rollout %s was released before its call returned; the call is not recorded", rollout_id)
+        spans = _spans(rollout_id, attempt_id, sequence_ids, endpoint, body, forwarded, common, start, time.time())
+        await asyncio.to_thread(self._record, rollout_id, spans)
         if forwarded.error is not None:
             return error_response(forwarded.status, forwarded.error)
         return Response(forwarded.body, forwarded.status, media_type="application/json")
 
     # ------------------------------------------------------------ checks
 
-    def _check_token(self, request: Request) -> None:
-        if self.token is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self.token.encode()):
-            raise RequestError(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>' "
-                                    "(the openai client sends its api_key so)")
+    def _parse(self, endpoint: str, raw: bytes) -> dict[str, Any]:
+        """The request body as a dict, or the RequestError that says what is wrong with it."""
+        body = parse_json_object(raw)
+        if body.get("stream"):
+            raise RequestError(400, "streaming is not supported by the agl_core gateway yet: call with stream=false")
+        if endpoint == CHAT:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+                raise RequestError(400, "'messages' must be a non-empty list of message objects")
+        elif not isinstance(body.get("prompt"), str):
+            raise RequestError(400, "'prompt' must be a string (token-id and batched prompts are not supported)")
+        check_sampling(body, max_n=self.config.max_n, logprobs_key="top_logprobs" if endpoint == CHAT else "logprobs")
+        return body
 
-    async def _read_body(self, request: Request) -> bytes:
-        limit = self.config.max_body_bytes
-        too_big = RequestError(413, f"request body exceeds {limit} bytes (rollout.gateway.max_body_bytes)")
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise too_big
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            chunks.append(chunk)
-        return b"".join(chunks)
+    def _admit(self, rollout_id: str, attempt_id: str, n: int) -> tuple[AttemptState, list[int]]:
+        """The running attempt's state and a sequence id per choice; RequestError when the attempt is not running."""
+        state = self.store.attempt_state(rollout_id, attempt_id)
+        if state is None:
+            raise RequestError(404, f"unknown rollout {rollout_id!r}")
+        if not state.current:
+            raise RequestError(409, f"attempt {attempt_id!r} of rollout {rollout_id!r} is not running "
+                                    f"(the rollout is {state.rollout_status}); its calls are not recorded")
+        try:
+            return state, [self.store.next_sequence_id(rollout_id) for _ in range(n)]
+        except KeyError:  # released between the check and here: it ended meanwhile
+            raise RequestError(409, f"rollout {rollout_id!r} ended; its calls are not recorded") from None
+
+    def _record(self, rollout_id: str, spans: list[Span]) -> None:
+        try:
+            self.store.add_spans(spans)
+        except KeyError:  # the rollout ended (timed out) and was consumed while this call was in flight
+            log.info("rollout %s was released before its call returned; the call is not recorded", rollout_id)
 
     def _upstream_body(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
         out = ask_for_tokens(endpoint, body)
@@ -209,31 +198,15 @@ def call_seed(run_seed: int, metadata: dict[str, Any], rollout_id: str, attempt_
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def _parse(endpoint: str, raw: bytes) -> dict[str, Any]:
-    """The request body as a dict, or the RequestError that says what is wrong with it."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError(400, f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise RequestError(400, "request body must be a JSON object")
-    if body.get("stream"):
-        raise RequestError(400, "streaming is not supported by the agl_core gateway yet: call with stream=false")
-    if endpoint == CHAT:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise RequestError(400, "'messages' must be a non-empty list of message objects")
-    elif not isinstance(body.get("prompt"), str):
-        raise RequestError(400, "'prompt' must be a string (token-id and batched prompts are not supported)")
-    n = body.get("n")
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        raise RequestError(400, "'n' must be a positive integer")
-    return body
+def _spans(rollout_id: str, attempt_id: str, sequence_ids: list[int], endpoint: str, request: dict[str, Any],
+           forwarded: Forwarded, attributes: dict[str, Any], start: float, end: float) -> list[Span]:
+    """One span per choice of a successful answer; one errored span otherwise.
 
-
-def _spans(rollout_id: str, attempt_id: str, sequence_ids: list[int], endpoint: str, forwarded: Forwarded,
-           attributes: dict[str, Any], start: float, end: float) -> list[Span]:
-    """One span per choice of a successful answer; one errored span otherwise."""
+    What is stored grows linearly with ``n``: the request is stored once, on
+    the first span (the others point at it with ``request_sequence_id``), and
+    each choice's span holds the answer with its own choice only. Every span
+    keeps its prompt token ids: each choice is a row a trace aggregator trains on.
+    """
     response: Any = None
     captured: list[Captured] = []
     error = forwarded.error
@@ -251,13 +224,16 @@ def _spans(rollout_id: str, attempt_id: str, sequence_ids: list[int], endpoint: 
         elif isinstance(response.get("weight_version"), int):
             attributes = {**attributes, "weight_version": response["weight_version"]}
     if error is not None:
-        attrs = {**attributes, "response": response, "error": error}
+        attrs = {**attributes, "request": request, "response": response, "error": error}
         return [Span(rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=sequence_ids[0], kind="llm_call",
                      attributes=attrs, start_time=start, end_time=end)]
     spans = []
     recorded = without_token_fields(response)
+    choices = recorded.get("choices") or []
     for index, (sequence_id, choice) in enumerate(zip(sequence_ids, captured)):
-        attrs = {**attributes, "response": recorded, "choice_index": index}
+        own = {**recorded, "choices": choices[index:index + 1]}
+        asked = {"request": request} if index == 0 else {"request_sequence_id": sequence_ids[0]}
+        attrs = {**attributes, **asked, "response": own, "choice_index": index}
         if choice.error is not None:
             attrs["error"] = choice.error
         spans.append(Span(rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=sequence_id, kind="llm_call",
