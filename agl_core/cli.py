@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import platform
+import signal
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -73,11 +74,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Interrupted(KeyboardInterrupt):
+    """A signal asked the run to stop; raised in the main thread like Ctrl-C's KeyboardInterrupt."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupt(signum: int, frame) -> None:
+    raise Interrupted(signum)
+
+
 def cmd_train(args) -> int:
+    """Run the recipe. SIGINT (Ctrl-C) and SIGTERM stop it the same clean way: every plugin's
+    ``on_train_end`` runs, the run directory is released, and the exit code is 128 + the signal."""
+    from agl_core.checkpoint import latest_checkpoint
     from agl_core.loop import Trainer
 
-    recipe, plugins = load(args.recipe, args.overrides, args.plugin_flags)
-    Trainer(recipe, plugins).fit()
+    signal.signal(signal.SIGTERM, _interrupt)
+    trainer = None
+    try:
+        recipe, plugins = load(args.recipe, args.overrides, args.plugin_flags)
+        trainer = Trainer(recipe, plugins)
+        trainer.fit()
+    except KeyboardInterrupt as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        if trainer is None:
+            print(f"agl: interrupted by {signal.Signals(signum).name} before training began", file=sys.stderr)
+            return 128 + signum
+        last = latest_checkpoint(trainer.ctx.run_dir)
+        then = (f"continue from its last checkpoint ({last.name}) with trainer.resume=auto" if last is not None
+                else "it wrote no checkpoint yet (trainer.save_freq), so a rerun starts over")
+        print(f"agl: interrupted by {signal.Signals(signum).name} in step {trainer.ctx.step} of "
+              f"{trainer.ctx.run_dir}; {then}", file=sys.stderr)
+        return 128 + signum
     return 0
 
 

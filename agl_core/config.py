@@ -99,7 +99,12 @@ class TrainerConfig(Section):
     val_only: bool = False
     test_freq: int = Field(0, description="validate every N steps and at the end (<=0: never)")
     save_freq: int = Field(0, description="checkpoint every N steps and at the end (<=0: never)")
-    resume: str = Field("auto", description="auto | never | path of a checkpoint directory")
+    resume: str = Field("auto", description="auto: the run directory's latest checkpoint of this run, if any | "
+                                            "never: a new run (the run directory must be empty, see overwrite) | "
+                                            "path of a checkpoint or run directory (also of another run)")
+    overwrite: bool = Field(False, description="with resume: never, delete what the run directory holds (only if "
+                                               "it is a run directory: it has run.json or config.yaml) and start "
+                                               "over; ignored when resuming")
     critic_warmup: int = Field(0, ge=0, description="steps that update only the critic")
     balance_batch: bool = True
     progress: bool = True

@@ -22,18 +22,31 @@ class TrainContext:
     metrics that hooks report during the current step; the loop logs them.
     ``state`` is free space for plugins, keyed by plugin name. ``slots`` holds
     the resolved slot implementations; call them with :meth:`call`.
+    ``run_id`` is the id of the run (``<run_dir>/run.json``), set before any
+    checkpoint is loaded; ``step`` is the step the run resumed from (0 for a
+    fresh start) until the loop starts counting.
     """
 
     config: Recipe
     plugins: PluginSet
     components: Components
     run_dir: Path
+    run_id: str | None = None
     step: int = 0
     epoch: int = 0
     world_size: int = 1
     step_metrics: dict[str, float] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)
     slots: dict[str, tuple[str, Callable]] = field(default_factory=dict)
+
+    @property
+    def purge_step(self) -> int:
+        """The first step this run logs: at ``on_train_start`` a per-step log drops its records of it and later.
+
+        A resumed run logs again every step after its checkpoint's; a run from
+        step 0 logs everything again, the validation before training included.
+        """
+        return self.step + 1 if self.step else 0
 
     def plugin_config(self, name: str) -> BaseModel:
         """The validated recipe section ``plugins.<name>``."""

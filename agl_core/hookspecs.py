@@ -158,6 +158,15 @@ def on_train_start(ctx: TrainContext) -> None:
     Kind: broadcast, called once before validation and the first step, after a
     checkpoint (if any) was loaded. A backend that shards data over workers
     sets ``ctx.world_size`` here (padding and balancing use it).
+
+    The run directory is this trainer's alone for the whole run (no other
+    trainer runs on it), and ``ctx.step`` is the step the run resumes from: 0
+    for a fresh start, the checkpoint's step after a resume. The run logs
+    every step from ``ctx.purge_step`` on again (after the checkpoint's; all
+    of them, step 0 included, from a fresh start), so a plugin that keeps
+    per-step records of its own (a CSV, an event file, a remote run) drops its
+    records of ``ctx.purge_step`` and later steps here: each step is then held
+    exactly once, also after a process was killed past its last checkpoint.
     """
 
 
@@ -182,8 +191,10 @@ def on_step_start(ctx: TrainContext, step: int) -> None:
 def on_step_end(ctx: TrainContext, step: int, metrics: dict[str, float]) -> None:
     """A training step finished; ``metrics`` is what will be logged for it.
 
-    Kind: broadcast, called after validation and checkpointing of the step and
-    before ``log_metrics``. Implementations may add keys to ``metrics``.
+    Kind: broadcast, called after validation of the step, before
+    ``log_metrics`` and before the step's checkpoint is written (a checkpoint
+    of step s comes after step s was logged). Implementations may add keys to
+    ``metrics``.
     """
 
 
@@ -313,7 +324,10 @@ def save_checkpoint(ctx: TrainContext, path: str) -> None:
 def load_checkpoint(ctx: TrainContext, path: str) -> None:
     """Restore this plugin's state from the checkpoint directory ``path``.
 
-    Kind: broadcast. Called once before ``on_train_start`` when resuming.
+    Kind: broadcast. Called once before ``on_train_start`` when resuming, with
+    ``ctx.step`` already the checkpoint's step. The checkpoint is of this run
+    (``resume=auto``) or one the recipe names (``trainer.resume=PATH``, maybe
+    of another run).
     """
 
 
@@ -322,7 +336,10 @@ def log_metrics(ctx: TrainContext, metrics: dict[str, Any], step: int) -> None:
     """Record the ``metrics`` of ``step`` (console, JSONL, TensorBoard, …).
 
     Kind: broadcast. Called once per step and once after the validation
-    before training (step 0).
+    before training (step 0), before the step's checkpoint is written. After a
+    resume the run logs the steps after the checkpoint's again: a plugin that
+    writes per-step logs drops those steps at ``on_train_start`` (see there),
+    so every step is held once.
     """
 
 

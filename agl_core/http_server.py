@@ -7,6 +7,7 @@ before the server starts, so callers never race for a port.
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import socket
 import threading
@@ -14,6 +15,8 @@ import time
 from typing import Any
 
 import uvicorn
+
+from agl_core.config import ConfigError
 
 
 def _fastest(module: str, fallback: str) -> str:
@@ -25,14 +28,24 @@ class ServerThread:
     """A uvicorn server for ``app`` on ``host:port``, run by a daemon thread.
 
     ``start()`` returns once the server accepts connections (or raises after
-    ``timeout_s``); ``stop()`` asks it to exit and joins the thread.
+    ``timeout_s``); ``stop()`` asks it to exit and joins the thread. An address
+    that cannot be bound (a port in use, a host not of this machine) is a
+    :class:`ConfigError` naming ``host:port`` and ``setting``, the recipe key
+    that chose them, when given.
     """
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, name: str = "agl-http"):
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, name: str = "agl-http", *,
+                 setting: str | None = None):
         self.host, self.name = host, name
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind((host, port))
+        try:
+            self._socket.bind((host, port))
+        except OSError as exc:
+            self._socket.close()
+            key = f"{setting}: " if setting else ""
+            hint = "; choose another port (0: any free one)" if exc.errno == errno.EADDRINUSE else ""
+            raise ConfigError(f"{key}{name} cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None
         self.port: int = self._socket.getsockname()[1]
         config = uvicorn.Config(app, loop=_fastest("uvloop", "asyncio"), http=_fastest("httptools", "h11"),
                                 lifespan="on", log_level="warning", access_log=False,

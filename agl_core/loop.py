@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from agl_core import checkpoint
+from agl_core import checkpoint, run_dir
 from agl_core.algorithms.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty
 from agl_core.algorithms.losses import agg_loss_value
 from agl_core.balance import balanced_order
@@ -50,8 +50,7 @@ class Trainer:
         validates = bool(self.val_tasks) and (cfg.trainer.val_before_train or cfg.trainer.test_freq > 0)
         components = Components.collect(plugins)
         self.plan = plan(cfg, plugins, components, validates)
-        run_dir = Path(cfg.trainer.run_dir)
-        self.ctx = TrainContext(cfg, plugins, components, run_dir, slots=self.plan.slots)
+        self.ctx = TrainContext(cfg, plugins, components, Path(cfg.trainer.run_dir), slots=self.plan.slots)
         self.sampler = TaskSampler(self.train_tasks, cfg.data.train_batch_size, cfg.data.shuffle, cfg.trainer.seed)
         self.total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * self.sampler.batches_per_epoch
         self.rng = np.random.default_rng(cfg.trainer.seed)
@@ -148,45 +147,56 @@ class Trainer:
     # ------------------------------------------------------------------ the run
 
     def fit(self) -> dict[str, float]:
-        """Train for ``total_steps``, validating and checkpointing on schedule; return the last metrics."""
+        """Train for ``total_steps``, validating and checkpointing on schedule; return the last metrics.
+
+        The run directory is this trainer's from start to end (:func:`run_dir.claim`):
+        nothing is written into it before, and a second trainer on it fails at once.
+        """
         ctx, cfg = self.ctx, self.ctx.config.trainer
-        self.prepare_run_dir()
-        self.resume()
         last: dict[str, float] = {}
-        try:
-            ctx.plugins.broadcast("on_train_start", ctx=ctx)
-            # Everything built so far (modules, models, servers) lives as long as the run: out of the cyclic
-            # collector's sight, a full collection no longer walks it and stalls every thread (agents, gateway,
-            # policy server) for 100+ ms. Measured: 7% less time per step in the default recipe.
-            gc.collect()
-            gc.freeze()
-            log.info("step plan\n%s", self.plan.describe())
-            if "validate" in ctx.slots and cfg.val_before_train and ctx.step == 0:
-                last = self.validate()
-                self.log(last, step=0)
-                if cfg.val_only:
-                    return last
-            progress = tqdm(total=self.total_steps, initial=ctx.step, desc="Training",
-                            disable=not cfg.progress, dynamic_ncols=True)
-            while ctx.step < self.total_steps:
-                ctx.step += 1
-                tasks = self.sampler.next_batch()
-                ctx.epoch = self.sampler.epoch
-                ctx.plugins.broadcast("on_step_start", ctx=ctx, step=ctx.step)
-                last = self.train_step(tasks)
-                is_last = ctx.step == self.total_steps
-                if "validate" in ctx.slots and cfg.test_freq > 0 and (is_last or ctx.step % cfg.test_freq == 0):
-                    last.update(self.validate())
-                if cfg.save_freq > 0 and (is_last or ctx.step % cfg.save_freq == 0):
-                    self.save_checkpoint()
-                last.update({"training/global_step": ctx.step, "training/epoch": ctx.epoch})
-                ctx.plugins.broadcast("on_step_end", ctx=ctx, step=ctx.step, metrics=last)
-                self.log(last, step=ctx.step)
-                progress.update(1)
-            progress.close()
-        finally:
-            gc.unfreeze()  # collectable again once the run is over (a process may train again)
-            self.end_plugins()
+        with run_dir.claim(ctx.run_dir):
+            # Settled before anything is written, so a bad trainer.resume leaves the directory as it was.
+            found = checkpoint.to_resume(ctx.run_dir, cfg.resume, run_dir.read_run_id(ctx.run_dir))
+            ctx.run_id = run_dir.prepare(ctx.run_dir, fresh=cfg.resume == "never", overwrite=cfg.overwrite)
+            self.write_run_files()
+            if found is not None:
+                self.load(found)
+            try:
+                ctx.plugins.broadcast("on_train_start", ctx=ctx)
+                # Everything built so far (modules, models, servers) lives as long as the run: out of the cyclic
+                # collector's sight, a full collection no longer walks it and stalls every thread (agents,
+                # gateway, policy server) for 100+ ms. Measured: 7% less time per step in the default recipe.
+                gc.collect()
+                gc.freeze()
+                log.info("step plan\n%s", self.plan.describe())
+                if "validate" in ctx.slots and cfg.val_before_train and ctx.step == 0:
+                    last = self.validate()
+                    self.log(last, step=0)
+                    if cfg.val_only:
+                        return last
+                progress = tqdm(total=self.total_steps, initial=ctx.step, desc="Training",
+                                disable=not cfg.progress, dynamic_ncols=True)
+                while ctx.step < self.total_steps:
+                    ctx.step += 1
+                    tasks = self.sampler.next_batch()
+                    ctx.epoch = self.sampler.epoch
+                    ctx.plugins.broadcast("on_step_start", ctx=ctx, step=ctx.step)
+                    last = self.train_step(tasks)
+                    is_last = ctx.step == self.total_steps
+                    validates = cfg.test_freq > 0 and (is_last or ctx.step % cfg.test_freq == 0)
+                    if "validate" in ctx.slots and validates:
+                        last.update(self.validate())
+                    last.update({"training/global_step": ctx.step, "training/epoch": ctx.epoch})
+                    ctx.plugins.broadcast("on_step_end", ctx=ctx, step=ctx.step, metrics=last)
+                    # Logged before the checkpoint: a checkpoint of step s always has step s's records.
+                    self.log(last, step=ctx.step)
+                    if cfg.save_freq > 0 and (is_last or ctx.step % cfg.save_freq == 0):
+                        self.save_checkpoint()
+                    progress.update(1)
+                progress.close()
+            finally:
+                gc.unfreeze()  # collectable again once the run is over (a process may train again)
+                self.end_plugins()
         return last
 
     def validate(self) -> dict[str, float]:
@@ -218,28 +228,28 @@ class Trainer:
 
     # ------------------------------------------------------- run dir, checkpoints
 
-    def prepare_run_dir(self) -> None:
+    def write_run_files(self) -> None:
         """Write the resolved recipe and the active plugin set into the run directory."""
-        run_dir = self.ctx.run_dir
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(resolved(self.ctx.config)))
-        (run_dir / checkpoint.MANIFEST).write_text(json.dumps(self.ctx.plugins.manifest(), indent=2))
+        where = self.ctx.run_dir
+        (where / "config.yaml").write_text(to_yaml(resolved(self.ctx.config)))
+        (where / checkpoint.MANIFEST).write_text(json.dumps(self.ctx.plugins.manifest(), indent=2))
 
     def save_checkpoint(self) -> Path:
         ctx = self.ctx
         state = {"sampler": self.sampler.state_dict(), "loop_rng": self.rng.bit_generator.state,
-                 "kl_coef": self.kl_ctrl.value}
+                 "kl_coef": self.kl_ctrl.value, "run_id": ctx.run_id}
         return checkpoint.save(ctx.run_dir, ctx.step, state, ctx.plugins.manifest(),
                                lambda path: ctx.plugins.broadcast("save_checkpoint", ctx=ctx, path=path))
 
     def resume(self) -> None:
-        """Load the checkpoint named by ``trainer.resume`` (``auto``: the latest one, if any)."""
-        mode = self.ctx.config.trainer.resume
-        if mode == "never":
-            return
-        path = checkpoint.latest_checkpoint(self.ctx.run_dir) if mode == "auto" else Path(mode)
-        if path is None:
-            return
+        """Load the checkpoint named by ``trainer.resume``, if any (:func:`checkpoint.to_resume`)."""
+        found = checkpoint.to_resume(self.ctx.run_dir, self.ctx.config.trainer.resume,
+                                     run_dir.read_run_id(self.ctx.run_dir))
+        if found is not None:
+            self.load(found)
+
+    def load(self, path: Path) -> None:
+        """Restore the core's state and every plugin's from the checkpoint at ``path``."""
         state = checkpoint.load(path)
         self.ctx.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])

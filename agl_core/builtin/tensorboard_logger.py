@@ -4,6 +4,10 @@ Active in every run, like the JSONL logger; a recipe turns it off with
 ``plugins: {disable: [tensorboard]}`` (or ``-p no:tensorboard``). The writer
 is opened at the first logged step, so a run that logs nothing writes
 nothing. View with ``tensorboard --logdir <run_dir>/tensorboard``.
+
+Each step appears once: the writer opens with ``purge_step`` at the first
+step this run logs, so TensorBoard drops what an earlier, killed process of
+the run logged from that step on.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from agl_core import HOOK_API_VERSION, hookimpl
 AGL_HOOK_API = HOOK_API_VERSION
 NAME = "tensorboard"
 DIRNAME = "tensorboard"
+PURGE = NAME + ".purge_step"
 
 
 def writer_of(ctx):
@@ -22,8 +27,14 @@ def writer_of(ctx):
     if NAME not in ctx.state:
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only runs that log pay for it
 
-        ctx.state[NAME] = SummaryWriter(log_dir=str(ctx.run_dir / DIRNAME))
+        ctx.state[NAME] = SummaryWriter(log_dir=str(ctx.run_dir / DIRNAME), purge_step=ctx.state.get(PURGE))
     return ctx.state[NAME]
+
+
+@hookimpl
+def on_train_start(ctx):
+    # Kept for the writer: by the first logged step ctx.step has moved on.
+    ctx.state[PURGE] = ctx.purge_step
 
 
 @hookimpl
@@ -40,6 +51,7 @@ def log_metrics(ctx, metrics, step):
 
 @hookimpl
 def on_train_end(ctx):
+    ctx.state.pop(PURGE, None)
     writer = ctx.state.pop(NAME, None)
     if writer is not None:
         writer.close()
