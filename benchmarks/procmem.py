@@ -1,6 +1,6 @@
 """Memory figures of this process from Linux's ``/proc``: the resident set and its high-water mark.
 
-Imported by the benchmarks that report peak memory (they run as scripts from
+Imported by the benchmarks that report memory (they run as scripts from
 this directory, which puts it on ``sys.path``).
 """
 
@@ -9,12 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def status_bytes(field: str) -> int:
-    """A memory field of this process from ``/proc/self/status`` (``VmRSS``, ``VmHWM``), in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
+def status_bytes(field: str, pid: int | str = "self") -> int:
+    """A memory field of a process (this one by default) from ``/proc/PID/status`` (``VmRSS``, ``VmHWM``), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
-    raise KeyError(f"no {field} in /proc/self/status")
+    raise KeyError(f"no {field} in /proc/{pid}/status")
 
 
 def reset_peak() -> None:
