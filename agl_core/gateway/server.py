@@ -79,7 +79,8 @@ class Gateway:
 
     def serve(self) -> ServerThread:
         """Start serving on ``config.host:config.port``; the returned server knows its URL."""
-        return ServerThread(self.app, self.config.host, self.config.port, name="agl-gateway").start()
+        return ServerThread(self.app, self.config.host, self.config.port, name="agl-gateway",
+                            setting="rollout.gateway.port").start()
 
     @staticmethod
     def base_url(server_url: str, rollout_id: str, attempt_id: str) -> str:
