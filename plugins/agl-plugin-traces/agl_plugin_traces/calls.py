@@ -23,6 +23,9 @@ from agl_core.data import LogProbs, Rollout, TokenIds, Triplet
 class Call:
     """One model call kept for training.
 
+    ``turn`` is the call's position among the rollout's ``llm_call`` spans by
+    sequence id, skipped calls included (a triplet's own ``turn_index``), so it
+    names the same call in the trace whatever was skipped before it.
     ``reward`` is the call's own reward, the sum of the reward spans attached
     to it, or None when the agent emitted none for it.
     """
@@ -30,6 +33,7 @@ class Call:
     prompt_ids: TokenIds
     response_ids: TokenIds
     logprobs: LogProbs | None
+    turn: int
     reward: float | None = None
     agent_name: str | None = None
 
@@ -100,12 +104,12 @@ def rollout_calls(rollout: Rollout, counts: TraceCounts) -> list[Call]:
     llm.sort(key=_by_sequence)
     if not llm and rollout.triplets:
         counts.kept += len(rollout.triplets)
-        return [Call(_token_ids(t.prompt_ids), _token_ids(t.response_ids), _logprobs(t.response_logprobs), t.reward,
-                     t.metadata.get("agent_name")) for t in rollout.triplets]
+        return [Call(_token_ids(t.prompt_ids), _token_ids(t.response_ids), _logprobs(t.response_logprobs),
+                     t.turn_index, t.reward, t.metadata.get("agent_name")) for t in rollout.triplets]
 
     calls: list[Call | None] = []
     same_length: dict[int, list[int]] = {}  # prompt length -> indices of the kept calls with a prompt that long
-    for span in llm:
+    for turn, span in enumerate(llm):
         attributes = span.attributes
         if attributes and attributes.get("error"):
             counts.error += 1
@@ -136,7 +140,8 @@ def rollout_calls(rollout: Rollout, counts: TraceCounts) -> list[Call]:
         logprobs = span.response_logprobs
         if logprobs is not None and type(logprobs) is not LogProbs:
             logprobs = LogProbs(logprobs)
-        calls.append(Call(prompt, response, logprobs, None, attributes.get("agent_name") if attributes else None))
+        calls.append(Call(prompt, response, logprobs, turn, None,
+                          attributes.get("agent_name") if attributes else None))
 
     if rewards:
         sequence_ids = [s.sequence_id for s in llm]
@@ -188,12 +193,12 @@ def to_triplets(rollout: Rollout, missing_reward: float | None = 0.0) -> list[Tr
     """
     final = rollout_reward(rollout, missing_reward)
     triplets = []
-    for turn, call in enumerate(rollout_calls(rollout, TraceCounts())):
+    for call in rollout_calls(rollout, TraceCounts()):
         own = call.reward is not None
         # model_construct: the spans were validated already.
         triplets.append(Triplet.model_construct(
             prompt_ids=call.prompt_ids.tolist(), response_ids=call.response_ids.tolist(),
             response_logprobs=None if call.logprobs is None else call.logprobs.tolist(),
-            reward=call.reward if own else final, rollout_id=rollout.rollout_id, turn_index=turn,
+            reward=call.reward if own else final, rollout_id=rollout.rollout_id, turn_index=call.turn,
             metadata={"agent_name": call.agent_name, "reward_source": "call" if own else "rollout"}))
     return triplets

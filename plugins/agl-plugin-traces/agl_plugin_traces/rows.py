@@ -264,7 +264,8 @@ class RowBuilder:
         metrics read these columns when present instead of counting
         ``attention_mask``, and so does the loop. Non-tensors: ``uid`` and
         ``data_id`` (the group: the task id), ``rollout_id``, ``turn_index``
-        (index of the row's first call).
+        (as given to :meth:`end`: the aggregators give the position in the
+        trace of the row's first call).
         """
         layout = self._layout()
         rows = layout.rows

@@ -9,14 +9,14 @@ forward pass trains on every turn with its exact context. A call whose
 prompt is not such an extension starts a new row; the break is classified
 (:mod:`agl_plugin_traces.mismatch`) and counted.
 
-Two defects of the reference aggregator are avoided:
+Two defects of Agent Lightning v0.3.0's aggregator (fixed in v1.0.0) are avoided:
 
 * a call whose prompt is exactly the previous prompt + response (no new
-  tokens) appends nothing before its response; the reference sliced
+  tokens) appends nothing before its response; v0.3.0 sliced
   ``prompt[-0:]`` and appended the whole prompt again;
 * a row that starts at a later call with a prompt over the limit never
   trains on the overflow: it goes into the response with mask 0 (or the row
-  is marked for dropping); the reference put it there with mask 1.
+  is marked for dropping); v0.3.0 put it there with mask 1.
 """
 
 from __future__ import annotations
@@ -78,9 +78,9 @@ def trajectory_batch(rollouts: Iterable[Rollout], max_prompt_length: int, max_re
     for rollout, reward, calls in trainable_rollouts(rollouts, missing_reward, counts):
         uid, rollout_id = rollout.task_id, rollout.rollout_id
         previous = None
-        first_turn = 0  # the open row's first call
+        first_turn = 0  # the open row's first call (its position in the trace)
         broken = False
-        for turn, call in enumerate(calls):
+        for i, call in enumerate(calls):
             prompt = call.prompt_ids
             own = call.reward if per_call_rewards else None
             if previous is not None:
@@ -102,11 +102,11 @@ def trajectory_batch(rollouts: Iterable[Rollout], max_prompt_length: int, max_re
                 kind = classify_break(context, prompt_list, tokenizer)
                 breaks.by_class[kind] += 1
                 if breaks.records is not None:
-                    breaks.records.append({"rollout_id": rollout_id, "turn_index": turn, "class": kind,
+                    breaks.records.append({"rollout_id": rollout_id, "turn_index": call.turn, "class": kind,
                                            "first_difference": first_difference(context, prompt_list),
                                            "context_ids": context, "prompt_ids": prompt_list})
-            rows.begin(prompt, overflow_to_response=overflow_to_response and turn > 0)
-            first_turn = turn
+            rows.begin(prompt, overflow_to_response=overflow_to_response and i > 0)
+            first_turn = call.turn
             rows.add_turn(0, len(call.response_ids), call.logprobs, own)
             previous = call
         if previous is not None:

@@ -25,9 +25,9 @@ def transition_batch(rollouts: Iterable[Rollout], max_prompt_length: int, max_re
     rows = RowBuilder(max_prompt_length, max_response_length)
     counts = TraceCounts()
     for rollout, reward, calls in trainable_rollouts(rollouts, missing_reward, counts):
-        for turn, call in enumerate(calls):
+        for call in calls:
             rows.begin(call.prompt_ids)
             own = per_call_rewards and call.reward is not None
             rows.add_turn(0, len(call.response_ids), call.logprobs, call.reward if own else reward)
-            rows.end(call.prompt_ids, call.response_ids, rollout.task_id, rollout.rollout_id, turn, reward)
+            rows.end(call.prompt_ids, call.response_ids, rollout.task_id, rollout.rollout_id, call.turn, reward)
     return rows.to_batch(pad_token_id), {**counts.metrics(), **rows.metrics()}

@@ -79,6 +79,12 @@ def test_to_triplets_keeps_per_call_rewards_and_falls_back_to_the_rollout_reward
     assert triplets[0].response_logprobs == r.spans[0].response_logprobs
 
 
+def test_to_triplets_number_turns_by_their_position_in_the_trace():
+    r = rollout([llm(0, [1], [10]), llm(1, [2], []), llm(2, [1], [11]), llm(3, [3], [30])])
+    # The empty call at 1 is skipped and the retry at 2 replaces the call at 0.
+    assert [(t.turn_index, t.response_ids) for t in to_triplets(r)] == [(2, [11]), (3, [30])]
+
+
 @pytest.mark.parametrize(("missing", "expected"), [(0.0, [("ok", 1.0), ("none", 0.0)]), (None, [("ok", 1.0)])])
 def test_failed_rollouts_are_skipped_and_missing_rewards_filled_or_skipped(missing, expected):
     rollouts = [rollout([llm(0, [1], [2])], rollout_id="ok"),

@@ -77,9 +77,10 @@ def test_every_trained_token_was_produced_by_the_model_and_is_trained_once(aggre
 def test_without_limits_every_row_is_exactly_a_call_as_the_engine_saw_it(aggregator, r):
     calls = rollout_calls(r, TraceCounts())
     contexts = [call.prompt_ids + call.response_ids for call in calls]
+    by_turn = {call.turn: call for call in calls}
     for row in rows(aggregate(aggregator, r, 1000, 1000)):
         assert row.prompt + row.response in contexts
-        assert calls[row.turn_index].prompt_ids == row.prompt  # the row starts where its first call starts
+        assert by_turn[row.turn_index].prompt_ids == row.prompt  # the row starts where its first call starts
         assert not row.drop
 
 

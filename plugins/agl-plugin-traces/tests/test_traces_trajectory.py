@@ -1,4 +1,4 @@
-"""The trajectory aggregator: prefix merges, breaks and their classes, limits, the reference's two defects."""
+"""The trajectory aggregator: prefix merges, breaks and their classes, limits, Agent Lightning v0.3.0's two defects."""
 
 import json
 
@@ -38,7 +38,8 @@ def test_calls_that_extend_the_context_merge_into_one_row(n_turns):
 
 
 def test_a_zero_length_observation_appends_nothing():
-    # The second prompt is exactly the first prompt + response: the reference appended prompt[-0:], the whole prompt.
+    # The second prompt is exactly the first prompt + response: Agent Lightning v0.3.0 appended prompt[-0:],
+    # the whole prompt.
     spans = [llm(0, [1, 2], [10]), llm(1, [1, 2, 10], [11]), llm(2, [1, 2, 10, 11, 5], [12])]
     batch, _, _ = trajectory_batch([rollout(spans)], 4, 16)
     (row,) = rows(batch)
@@ -57,8 +58,23 @@ def test_a_call_that_breaks_the_prefix_starts_a_new_row():
     assert breaks.records is None
 
 
+def test_turn_index_is_the_calls_position_in_the_trace_whatever_was_skipped_before_it():
+    spans = [llm(0, [1, 2], [10]), llm(1, [1, 2, 10, 5], []),  # an empty response in the middle
+             llm(2, [9, 9], [12]), reward(3, 0.5), llm(4, [9, 9, 12, 6], [13], error="timeout"), llm(5, [8], [14])]
+    batch, _, breaks = trajectory_batch([rollout(spans)], 4, 16, keep_break_records=True)
+    # Positions among the llm_call spans: the reward span is not a call.
+    assert [(r.prompt, r.turn_index) for r in rows(batch)] == [([1, 2], 0), ([9, 9], 2), ([8], 4)]
+    assert [record["turn_index"] for record in breaks.records] == [2, 4]
+
+
+def test_a_long_prompt_after_skipped_calls_still_opens_the_rollouts_first_row():
+    spans = [llm(0, [1], []), llm(1, [1, 2, 3, 4, 5, 6], [10])]
+    (row,) = rows(trajectory_batch([rollout(spans)], 4, 16)[0])
+    assert (row.prompt, row.drop, row.turn_index) == ([3, 4, 5, 6], True, 1)
+
+
 def test_a_prompt_shorter_than_the_context_breaks_even_when_prompt_plus_response_would_match():
-    # The reference tested (prompt + response) against the context, so a call that re-sent a cut context and
+    # Agent Lightning v0.3.0 tested (prompt + response) against the context, so a call that re-sent a cut context and
     # regenerated the cut part merged, with a negative observation length.
     spans = [llm(0, [1, 2], [10, 11]), llm(1, [1, 2, 10], [11, 12])]
     batch, metrics, _ = trajectory_batch([rollout(spans)], 4, 16)
@@ -114,7 +130,7 @@ def test_an_overlong_first_prompt_marks_the_row_for_dropping():
 
 
 def test_the_overflow_of_a_later_rows_prompt_is_context_never_trained_on():
-    # The reference put the overflow of a later segment's prompt into the response with mask 1.
+    # Agent Lightning v0.3.0 put the overflow of a later segment's prompt into the response with mask 1.
     spans = [llm(0, [1, 2], [10]), llm(1, [7, 7, 7, 7, 7, 8], [11]), llm(2, [7, 7, 7, 7, 7, 8, 11, 6], [12])]
     batch, metrics, _ = trajectory_batch([rollout(spans)], 4, 16)
     first, later = rows(batch)

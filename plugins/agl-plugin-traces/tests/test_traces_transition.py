@@ -23,6 +23,11 @@ def test_one_row_per_call_with_the_rollout_reward_on_its_last_token():
     assert metrics["training/n_triplets"] == 3 and metrics["training/n_calls"] == 3
 
 
+def test_turn_index_is_the_calls_position_in_the_trace():
+    spans = [llm(0, [1], [10]), llm(1, [2], []), llm(2, [3], [30], error="boom"), llm(3, [4], [40])]
+    assert [r.turn_index for r in rows(transition_batch([rollout(spans)], 4, 4)[0])] == [0, 3]
+
+
 def test_a_prompt_over_the_limit_keeps_its_last_tokens_and_is_marked_for_dropping():
     batch, metrics = transition_batch([rollout([llm(0, [1, 2, 3, 4, 5], [10]), llm(1, [1, 2], [11])])], 3, 2)
     got = rows(batch)
