@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import decimal
 import importlib
 import inspect
 import json
 import math
+import numbers
 import os
 import sys
 import time
@@ -122,14 +124,44 @@ def load_agent(spec: str) -> Callable:
 
 
 def as_reward(value: Any, what: str) -> float | None:
-    """``value`` as a finite float reward (None stays None); ValueError naming ``what`` otherwise."""
+    """``value`` as a finite float reward (None stays None); ValueError naming ``what`` and the type otherwise.
+
+    Accepted: any real number (:class:`numbers.Real`: bool, int, float,
+    Fraction, NumPy integer and floating scalars), :class:`~decimal.Decimal`,
+    and a 0-d array or tensor holding one (NumPy, torch: anything with
+    ``ndim == 0`` and ``.item()``). Refused: complex numbers, strings, lists,
+    arrays of any other shape, NaN and infinities.
+    """
     if value is None:
         return None
-    if not isinstance(value, int | float):
-        raise ValueError(f"{what} must be a number or None, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{what} must be finite, got {value!r}")
-    return float(value)
+    number = value
+    # Duck-typed rather than imported: agents of any array library, and no NumPy/torch import here.
+    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        number = value.item()
+    if not isinstance(number, numbers.Real | decimal.Decimal):
+        raise ValueError(f"{what} must be a real number or None, got {_described(value)}")
+    try:
+        reward = float(number)
+    except (OverflowError, ValueError):  # an int or Fraction beyond float's range, a signalling NaN Decimal
+        reward = math.nan
+    if not math.isfinite(reward):
+        raise ValueError(f"{what} must be finite (and within float's range), got {_short_repr(value)}")
+    return reward
+
+
+def _described(value: Any) -> str:
+    """The type of ``value`` with its module (``numpy.ndarray``), and its shape and dtype or a short repr."""
+    kind = type(value)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return f"{name} of shape {tuple(shape)} and dtype {getattr(value, 'dtype', '?')}"
+    return f"{name} {_short_repr(value)}"
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # ---------------------------------------------------------------- rewards and annotations

@@ -1,9 +1,14 @@
 """The agent API: naming and loading agents, emitting rewards and annotations."""
 
 import math
+import re
 import sys
+from decimal import Decimal
+from fractions import Fraction
 
+import numpy as np
 import pytest
+import torch
 
 import agl_core
 from agl_core.agents import (LLM, RolloutScope, agent, agent_name, as_reward, emit_annotation, emit_reward,
@@ -84,11 +89,31 @@ def test_the_decorator_checks_the_signature():
     assert agent_name(solve) == "solve"
 
 
-def test_rewards_must_be_finite_numbers():
-    assert as_reward(1, "r") == 1.0 and as_reward(None, "r") is None
-    for bad in (math.nan, math.inf, "1.0", [1.0]):
-        with pytest.raises(ValueError, match="r must be"):
-            as_reward(bad, "r")
+@pytest.mark.parametrize(("value", "expected"), [
+    (1, 1.0), (True, 1.0), (0.25, 0.25), (Fraction(1, 4), 0.25), (Decimal("0.25"), 0.25),
+    (np.float32(0.25), 0.25), (np.float64(0.25), 0.25), (np.int64(3), 3.0), (np.bool_(True), 1.0),
+    (np.array(0.25), 0.25), (torch.tensor(0.25), 0.25), (torch.tensor(2), 2.0), (None, None)])
+def test_a_reward_is_any_real_number_or_a_0d_array_of_one(value, expected):
+    reward = as_reward(value, "r")
+    assert reward == expected and (reward is None or type(reward) is float)
+
+
+@pytest.mark.parametrize(("value", "named"), [
+    ("1.0", "str '1.0'"), ([1.0], "list [1.0]"), ({"reward": 1}, "dict"), (1 + 2j, "complex (1+2j)"),
+    (np.complex64(1), "numpy.complex64"), (np.array([1.0, 2.0]), "numpy.ndarray of shape (2,)"),
+    (np.array([1.0]), "numpy.ndarray of shape (1,)"), (torch.tensor([1.0]), "torch.Tensor of shape (1,)"),
+    (torch.tensor(1 + 1j), "torch.Tensor of shape () and dtype torch.complex64")])
+def test_other_types_are_refused_with_the_type_named(value, named):
+    with pytest.raises(ValueError, match=f"r must be a real number or None, got {re.escape(named)}"):
+        as_reward(value, "r")
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, np.float32("nan"), np.float64("inf"),
+                                   torch.tensor(math.nan), Decimal("NaN"), Decimal("sNaN"), Decimal("1e400"),
+                                   10 ** 400])
+def test_a_reward_must_be_finite(value):
+    with pytest.raises(ValueError, match="r must be finite"):
+        as_reward(value, "r")
 
 
 def test_emit_outside_a_rollout_is_an_error():
