@@ -3,9 +3,11 @@
 Concurrent agents send their model calls at about the same time; the
 engine's worker takes every request waiting in its queue (waiting briefly for
 more after each arrival) and generates them as one batch, so N agents cost
-one forward pass per token instead of N. The worker holds the model lock
-while it generates, and the trainer holds it while it computes or updates:
-a response is always made by one version of the weights, the one it reports.
+one forward pass per token instead of N. A batch that fails is generated
+again request by request, so a request that still fails fails alone. The
+worker holds the model lock while it generates, and the trainer holds it
+while it computes or updates: a response is always made by one version of
+the weights, the one it reports.
 """
 
 from __future__ import annotations
@@ -74,10 +76,15 @@ class Engine:
         self._stopping.set()
         self._thread.join(timeout_s)
         while not self._queue.empty():
-            self._queue.get_nowait().future.set_exception(RuntimeError("the policy engine stopped"))
+            job = self._queue.get_nowait()
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(RuntimeError("the policy engine stopped"))
 
     def submit(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> Future:
-        """Queue the generation of ``prompts`` (one params each); the future resolves to :class:`Generated`."""
+        """Queue the generation of ``prompts`` (one params each); the future resolves to :class:`Generated`.
+
+        Cancelling the future before the worker takes the request drops it.
+        """
         if self._stopping.is_set():
             raise RuntimeError("the policy engine stopped")
         job = _Job(prompts, params)
@@ -91,13 +98,30 @@ class Engine:
             except queue.Empty:
                 continue
             self._gather_more(jobs)
+            # A request whose caller gave up (an HTTP client gone) is not generated; the others are now running
+            # and can no longer be cancelled, so their results can always be set.
+            jobs = [job for job in jobs if job.future.set_running_or_notify_cancel()]
+            if not jobs:
+                continue
             try:
                 self._run(jobs)
-            except Exception as exc:  # the requests fail with the error; the engine keeps serving
-                log.exception("generation failed")
+            except Exception as exc:
+                if len(jobs) == 1:
+                    self._fail(jobs[0], exc)
+                    continue
+                # One request's failure must not fail the others batched with it: each runs again alone.
+                log.exception("generation of a batch of %d requests failed; running each alone", len(jobs))
                 for job in jobs:
-                    if not job.future.done():
-                        job.future.set_exception(exc)
+                    try:
+                        self._run([job])
+                    except Exception as error:
+                        self._fail(job, error)
+
+    @staticmethod
+    def _fail(job: _Job, exc: Exception) -> None:
+        """Fail ``job`` with ``exc``; the engine keeps serving."""
+        log.error("generation of a request failed", exc_info=exc)
+        job.future.set_exception(exc)
 
     def _gather_more(self, jobs: list[_Job]) -> None:
         """Add requests arriving within ``batch_wait_s`` of the previous one, up to ``max_batch_rows``."""

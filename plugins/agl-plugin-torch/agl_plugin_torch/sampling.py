@@ -18,10 +18,17 @@ import torch
 
 STOP, LENGTH = "stop", "length"
 
+SEED_SPACE = 2**64
+"""Seeds are taken modulo this, the range of ``torch.Generator.manual_seed`` (which itself wraps negative seeds
+so): any int seeds a row, and a seed torch takes seeds the same stream as in torch."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one row is sampled. ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 switch those off."""
+    """How one row is sampled. ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 switch those off.
+
+    ``seed`` may be any int (it is taken modulo :data:`SEED_SPACE`).
+    """
 
     max_tokens: int
     temperature: float = 1.0
@@ -98,7 +105,7 @@ class _Rows:
         self.temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
         self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
         self.top_p = torch.tensor([p.top_p for p in params], device=device)
-        self.seeded = [(row, torch.Generator(device=device).manual_seed(p.seed))
+        self.seeded = [(row, torch.Generator(device=device).manual_seed(p.seed % SEED_SPACE))
                        for row, p in enumerate(params) if p.seed is not None and p.temperature > 0]
         self.shared = [row for row, p in enumerate(params) if p.seed is None and p.temperature > 0]
         self.all_greedy = bool(self.greedy.all())

@@ -6,17 +6,32 @@ with ``return_token_ids``, whatever the request asks: ``prompt_token_ids``
 ``choices[].logprobs`` (the sampled tokens' log-probs, with
 ``top_logprobs`` alternatives when asked). Every response also carries
 ``weight_version``, the number of the actor update whose weights produced it
-(0: the initial weights). ``GET /v1/models`` lists the one model.
+(0: the initial weights). ``GET /v1/models`` lists the one model;
+``GET /healthz`` (``/health``) says it is alive.
 
 Sampling parameters: ``max_tokens`` / ``max_completion_tokens``,
 ``temperature`` (0: greedy), ``top_p``, ``top_k``, ``stop``,
 ``stop_token_ids``, ``ignore_eos``, ``seed``, ``n``; streaming is refused.
+Every field is checked before the request reaches the engine (the rules of
+:mod:`agl_core.http_rules`): a value the engine cannot sample with is a 400
+that names the field, never a failure of the batch it would have joined.
+
+Any model name is accepted and answered by the one policy: agents are written
+against arbitrary model names, and the gateway in front decides which policy
+serves a run. A name other than the served one is logged, once per name.
+
+It keeps the rules of every server of the project: a bind off loopback needs
+a bearer token (``plugins.torch.serving.token``, default
+``$AGL_POLICY_TOKEN``, which the gateway also sends), and then every endpoint
+but a bare health check requires it; request bodies are bounded in size and
+in the time a client takes to send them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
+import os
 import time
 import uuid
 from typing import Any
@@ -27,45 +42,67 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from transformers import PreTrainedTokenizerBase
 
+from agl_core.http_rules import (RequestError, check_bearer, check_sampling, error_response, health_response,
+                                 parse_json_object, read_body, require_token_off_loopback)
 from agl_core.http_server import ServerThread
 
 from agl_plugin_torch.engine import Engine, Generated
 from agl_plugin_torch.sampling import SamplingParams
 from agl_plugin_torch.settings import ServingConfig
 
+log = logging.getLogger("agl_plugin_torch")
 
-class BadRequest(Exception):
-    """A request the server refuses with 400 and this message."""
+TOKEN_ENV = "AGL_POLICY_TOKEN"
+"""The environment variable that holds the bearer token when the recipe sets none (the gateway reads it too)."""
 
-
-def error_response(status: int, message: str) -> JSONResponse:
-    """An error in the OpenAI format, so the openai client raises with ``message``."""
-    kind = "invalid_request_error" if status < 500 else "api_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+MAX_REPORTED_NAMES = 32
+"""Unknown model names logged per server; more are answered without a word (a caller cannot grow the log)."""
 
 
-def message_text(content: Any) -> str:
-    """The text of a message's ``content``: a string, a list of text parts, or None."""
+def message_text(content: Any, where: str) -> str:
+    """The text of a message's ``content`` (a string, a list of text parts, or None); ``where`` names it in errors."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    raise BadRequest(f"message content must be a string or a list of parts, got {type(content).__name__}")
+    if not isinstance(content, list):
+        raise RequestError(400, f"'{where}' must be a string, a list of text parts or null, "
+                                f"got {type(content).__name__}")
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise RequestError(400, f"'{where}[{i}]' must be a content part object, got {type(part).__name__}")
+        kind = part.get("type", "text")
+        if kind != "text":
+            raise RequestError(400, f"'{where}[{i}].type' must be 'text' (the policy reads text only), "
+                                    f"got {kind!r:.80}")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise RequestError(400, f"'{where}[{i}].text' must be a string, got {type(text).__name__}")
+        texts.append(text)
+    return "".join(texts)
 
 
 class PolicyServer:
-    """The ASGI app over ``engine``; ``model_name`` is listed by ``/v1/models``, any name is accepted."""
+    """The ASGI app over ``engine``; ``model_name`` is listed by ``/v1/models``, any name is accepted.
+
+    ValueError when ``config.host`` is not a loopback address and no token
+    is set (in ``config.token`` or ``$AGL_POLICY_TOKEN``).
+    """
 
     def __init__(self, engine: Engine, tokenizer: PreTrainedTokenizerBase, context_length: int,
                  config: ServingConfig, model_name: str = "policy"):
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.context_length, self.model_name = context_length, model_name
+        self.token = config.token or os.environ.get(TOKEN_ENV) or None
+        require_token_off_loopback("the policy endpoint", config.host, self.token,
+                                   f"plugins.torch.serving.token (or ${TOKEN_ENV})")
+        self._reported_names: set[str] = set()
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/v1/completions", self._completions, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
+            Route("/healthz", self._health, methods=["GET"]),
             Route("/health", self._health, methods=["GET"]),
         ])
 
@@ -82,19 +119,27 @@ class PolicyServer:
         return await self._handle(request, chat=False)
 
     async def _models(self, request: Request) -> Response:
+        try:
+            check_bearer(request, self.token)
+        except RequestError as exc:
+            return error_response(exc.status, str(exc))
         return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
                                                          "owned_by": "agl-plugin-torch"}]})
 
     async def _health(self, request: Request) -> Response:
-        return JSONResponse({"ok": True, "weight_version": self.engine.weight_version()})
+        return health_response(request, self.token, {"weight_version": self.engine.weight_version()})
 
     async def _handle(self, request: Request, chat: bool) -> Response:
+        config = self.config
         try:
-            body = _json_object(await request.body())
+            check_bearer(request, self.token)
+            body = parse_json_object(await read_body(request, config.max_body_bytes,
+                                                     "plugins.torch.serving.max_body_bytes", config.body_timeout_s))
+            self._check_model(body.get("model"))
             prompt_ids = self._chat_prompt(body) if chat else self._completion_prompt(body)
             params = self._params(body, len(prompt_ids), chat)
-        except BadRequest as exc:
-            return error_response(400, str(exc))
+        except RequestError as exc:
+            return error_response(exc.status, str(exc))
         try:
             generated: Generated = await asyncio.wrap_future(self.engine.submit([prompt_ids] * len(params), params))
         except Exception as exc:  # noqa: BLE001 - reported to the client, logged by the engine
@@ -104,16 +149,35 @@ class PolicyServer:
 
     # ------------------------------------------------------------ requests
 
+    def _check_model(self, name: Any) -> None:
+        """Accept any model name (see the module's docstring); log each name but the served one, once."""
+        if name is None:
+            return
+        if not isinstance(name, str):
+            raise RequestError(400, f"'model' must be a string, got {type(name).__name__}")
+        if name != self.model_name and name not in self._reported_names and \
+                len(self._reported_names) < MAX_REPORTED_NAMES:
+            self._reported_names.add(name)
+            log.warning("a call asks for model %.80r; the policy endpoint serves %r and answers it with that "
+                        "(logged once per name)", name, self.model_name)
+
     def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise BadRequest("'messages' must be a non-empty list of message objects")
-        messages = [{**m, "content": message_text(m.get("content"))} for m in messages]
+        if not isinstance(messages, list) or not messages:
+            raise RequestError(400, "'messages' must be a non-empty list of message objects")
+        rendered = []
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise RequestError(400, f"'messages[{i}]' must be a message object, got {type(message).__name__}")
+            if not isinstance(message.get("role"), str):
+                raise RequestError(400, f"'messages[{i}].role' must be a string, "
+                                        f"got {type(message.get('role')).__name__}")
+            rendered.append({**message, "content": message_text(message.get("content"), f"messages[{i}].content")})
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+            ids = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True,
                                                      return_dict=False)
         except Exception as exc:  # noqa: BLE001 - a template error is the request's problem
-            raise BadRequest(f"the chat template cannot render these messages: {exc}") from None
+            raise RequestError(400, f"the chat template cannot render these messages: {exc}") from None
         return list(ids)
 
     def _completion_prompt(self, body: dict[str, Any]) -> list[int]:
@@ -122,43 +186,41 @@ class PolicyServer:
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if max(prompt) >= len(self.tokenizer) or min(prompt) < 0:
-                raise BadRequest(f"prompt token ids must be in [0, {len(self.tokenizer)})")
+                raise RequestError(400, f"'prompt' token ids must be in [0, {len(self.tokenizer)})")
             return prompt
-        raise BadRequest("'prompt' must be a string or a non-empty list of token ids")
+        raise RequestError(400, "'prompt' must be a string or a non-empty list of token ids")
 
     def _params(self, body: dict[str, Any], prompt_length: int, chat: bool) -> list[SamplingParams]:
         """One :class:`SamplingParams` per choice (``n``), checked; choice ``i`` of a seeded request uses seed + i."""
         if body.get("stream"):
-            raise BadRequest("streaming is not supported: call with stream=false")
+            raise RequestError(400, "streaming is not supported: call with stream=false")
+        # Chat asks for alternatives with top_logprobs; completions with logprobs=<k>.
+        alternatives = "top_logprobs" if chat else "logprobs"
+        check_sampling(body, max_n=self.config.max_batch_rows, logprobs_key=alternatives)
         room = self.context_length - prompt_length
         if room < 1:
-            raise BadRequest(f"the prompt has {prompt_length} tokens; the model's context is "
-                             f"{self.context_length} tokens, which leaves no room for a response")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        if max_tokens is None:
-            max_tokens = self.config.default_max_tokens
-        max_tokens = _integer("max_tokens", max_tokens, low=1)
+            raise RequestError(400, f"the prompt has {prompt_length} tokens; the model's context is "
+                                    f"{self.context_length} tokens, which leaves no room for a response")
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.config.default_max_tokens
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise BadRequest("'stop' must be a non-empty string or a list of them")
+            raise RequestError(400, "'stop' must be a non-empty string or a list of them")
         stop_token_ids = body.get("stop_token_ids") or []
-        if not isinstance(stop_token_ids, list) or not all(isinstance(t, int) for t in stop_token_ids):
-            raise BadRequest("'stop_token_ids' must be a list of token ids")
-        # Chat asks for alternatives with top_logprobs; completions with logprobs=<k>.
-        alternatives = "top_logprobs" if chat else "logprobs"
-        seed = body.get("seed")
+        if not isinstance(stop_token_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in stop_token_ids):
+            raise RequestError(400, "'stop_token_ids' must be a list of token ids")
+        if not isinstance(body.get("ignore_eos", False), bool | None):
+            raise RequestError(400, f"'ignore_eos' must be true or false, got {type(body['ignore_eos']).__name__}")
         common = dict(
-            max_tokens=min(max_tokens, room),
-            temperature=_number("temperature", _get(body, "temperature", 1.0), low=0.0),
-            top_p=_number("top_p", _get(body, "top_p", 1.0), low=0.0, low_open=True, high=1.0),
-            top_k=max(0, _integer("top_k", _get(body, "top_k", 0), low=-1)),
+            max_tokens=min(max_tokens, room), temperature=float(_get(body, "temperature", 1.0)),
+            top_p=float(_get(body, "top_p", 1.0)), top_k=max(0, _get(body, "top_k", 0)),
             stop=tuple(stop), stop_token_ids=tuple(stop_token_ids), ignore_eos=bool(body.get("ignore_eos")),
-            top_logprobs=_integer(alternatives, _get(body, alternatives, 0), low=0, high=20))
-        n = _integer("n", _get(body, "n", 1), low=1, high=self.config.max_batch_rows)
-        if seed is not None:
-            seed = _integer("seed", seed)
-        return [SamplingParams(seed=None if seed is None else seed + i, **common) for i in range(n)]
+            top_logprobs=int(_get(body, alternatives, 0)))
+        seed = body.get("seed")
+        # Seeds past torch's range wrap (SamplingParams takes any int), so seed + i never overflows.
+        return [SamplingParams(seed=None if seed is None else seed + i, **common)
+                for i in range(_get(body, "n", 1))]
 
     # ------------------------------------------------------------ responses
 
@@ -210,34 +272,7 @@ def _usage(prompt_ids: list[int], generated: Generated) -> dict[str, int]:
             "total_tokens": len(prompt_ids) + completion}
 
 
-def _json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return body
-
-
 def _get(body: dict[str, Any], key: str, default: Any) -> Any:
     """``body[key]``, or ``default`` when it is absent or null."""
     value = body.get(key)
     return default if value is None else value
-
-
-def _integer(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise BadRequest(f"'{name}' must be an integer, got {value!r}")
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise BadRequest(f"'{name}' must be in [{low}, {'inf' if high is None else high}], got {value}")
-    return value
-
-
-def _number(name: str, value: Any, *, low: float, high: float | None = None, low_open: bool = False) -> float:
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise BadRequest(f"'{name}' must be a number, got {value!r}")
-    if value < low or (low_open and value == low) or (high is not None and value > high):
-        bounds = f"{'(' if low_open else '['}{low}, {'inf' if high is None else high}]"
-        raise BadRequest(f"'{name}' must be in {bounds}, got {value}")
-    return float(value)

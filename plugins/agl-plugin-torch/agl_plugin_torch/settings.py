@@ -81,9 +81,16 @@ class CriticConfig(OptimConfig):
 class ServingConfig(_Section):
     """The OpenAI-compatible endpoint agents (through the gateway) call."""
 
-    host: str = Field("127.0.0.1", description="address to bind")
+    host: str = Field("127.0.0.1", description="address to bind; anything but loopback requires a token")
     port: int = Field(0, ge=0, le=65535, description="0: a free port chosen by the OS")
-    max_batch_rows: int = Field(256, ge=1, description="most sequences generated together")
+    token: str | None = Field(None, description="bearer token callers must send (default: $AGL_POLICY_TOKEN, "
+                                                "which the gateway sends too); required when host is not a "
+                                                "loopback address")
+    max_body_bytes: int = Field(8 * 2**20, ge=1024, description="larger request bodies are refused with 413")
+    body_timeout_s: float = Field(30.0, gt=0, description="time a client may take to send a request body; "
+                                                          "a slower one is answered 408")
+    max_batch_rows: int = Field(256, ge=1, description="most sequences generated together; also the most "
+                                                       "choices (n) one request may ask for")
     batch_wait_ms: float = Field(2.0, ge=0, description="after a request arrives, wait this long for others "
                                                         "to join its batch (each new one restarts the wait)")
     default_max_tokens: int = Field(256, ge=1, description="response limit of a request that sets none")

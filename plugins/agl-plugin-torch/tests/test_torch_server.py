@@ -1,5 +1,6 @@
 """The policy endpoint answers the real openai client with vLLM's token-id fields, batching concurrent calls."""
 
+import json
 import threading
 
 import httpx
@@ -85,6 +86,62 @@ def test_responses_carry_the_version_of_the_weights_that_made_them(served, clien
 def test_bad_requests_are_refused_with_the_reason(client, kwargs, message):
     with pytest.raises(openai.BadRequestError, match=message):
         client.chat.completions.create(**{"model": "policy", "messages": MESSAGES, **kwargs})
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"seed": 2**64}, "'seed'"),
+    ({"seed": -1}, "'seed'"),
+    ({"temperature": 1e-300}, "'temperature'"),
+    ({"temperature": NAN}, "'temperature'"),  # json.dumps writes the literal NaN, which json.loads accepts
+    ({"temperature": INF}, "'temperature'"),
+    ({"temperature": 10**400}, "'temperature'"),
+    ({"top_p": NAN}, "'top_p'"),
+    ({"top_p": 0}, "'top_p'"),
+    ({"max_tokens": 0}, "'max_tokens'"),
+    ({"max_completion_tokens": 2**64}, "'max_completion_tokens'"),
+    ({"n": 257}, "'n'"),  # more than serving.max_batch_rows
+    ({"top_k": "5"}, "'top_k'"),
+    ({"top_logprobs": 21}, "'top_logprobs'"),
+    ({"model": ["policy"]}, "'model'"),
+    ({"ignore_eos": "yes"}, "'ignore_eos'"),
+    ({"stop_token_ids": [True]}, "'stop_token_ids'"),
+    ({"messages": [{"role": "user", "content": [{"text": 5}]}]}, "'messages[0].content[0].text'"),
+    ({"messages": [{"role": "user", "content": 5}]}, "'messages[0].content'"),
+    ({"messages": [{"role": "user", "content": ["hi"]}]}, "'messages[0].content[0]'"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "'messages[0].content[0].type'"),
+    ({"messages": [{"role": 5, "content": "hi"}]}, "'messages[0].role'"),
+    ({"messages": ["hi"]}, "'messages[0]'"),
+])
+def test_every_bad_field_is_a_400_that_names_it(served, fields, named):
+    body = {"model": "policy", "messages": MESSAGES, "max_tokens": 4, **fields}
+    reply = httpx.post(f"{served.url}/chat/completions", content=json.dumps(body),
+                       headers={"content-type": "application/json"}, timeout=30)
+    assert reply.status_code == 400
+    assert named in reply.json()["error"]["message"]
+
+
+def test_a_seeded_request_at_the_top_of_the_seed_range_is_served(client):
+    reply = client.completions.create(model="policy", prompt="hello", max_tokens=3, n=3, seed=2**63 - 1)
+    assert len(reply.choices) == 3
+
+
+def test_text_parts_are_read_as_the_text_they_hold(served, client):
+    parts = [{"type": "text", "text": "guess a"}, {"text": " number"}]
+    reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": parts}],
+                                           max_tokens=2)
+    assert reply.model_extra["prompt_token_ids"] == served.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "guess a number"}], add_generation_prompt=True, return_dict=False)
+
+
+def test_other_model_names_are_served_and_logged_once_each(client, caplog):
+    for name in ("gpt-4o", "gpt-4o", "claude", "policy", "gpt-4o"):
+        assert client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=1).model == name
+    logged = [r.getMessage() for r in caplog.records if "the policy endpoint serves" in r.getMessage()]
+    assert len(logged) == 2 and "'gpt-4o'" in logged[0] and "'claude'" in logged[1]
 
 
 def test_a_made_qwen2_model_is_served_with_its_own_word_tokenizer(tmp_path):
