@@ -40,8 +40,9 @@ def claim(run_dir: Path) -> Iterator[None]:
     """Own ``run_dir`` (created if missing) for the block; release it after, also on errors.
 
     Raises :class:`ConfigError` when a live trainer holds it (naming that
-    trainer's pid, host and start time) or when the directory cannot be
-    created or written (naming the path).
+    trainer's pid, host and start time), when it is a directory that holds
+    files but is no run directory (nothing is written into it then), or when
+    it cannot be created or written (naming the path).
     """
     fd = _open_lock(run_dir)
     try:
@@ -74,9 +75,8 @@ def prepare(run_dir: Path, fresh: bool, overwrite: bool) -> str:
     """
     held = sorted(p for p in run_dir.iterdir() if p.name != LOCK)
     if fresh and held:
-        if not any((run_dir / marker).exists() for marker in MARKERS):
-            raise ConfigError(f"trainer.run_dir: {run_dir} is not empty and is not a run directory "
-                              f"(it has no {' or '.join(MARKERS)}); choose an empty or new directory")
+        if not _is_run_dir(run_dir):
+            raise _not_a_run_dir(run_dir)
         if not overwrite:
             raise ConfigError(f"trainer.run_dir: {run_dir} holds a previous run and trainer.resume is 'never'; "
                               f"continue it with trainer.resume=auto, or delete it and start over with "
@@ -106,13 +106,26 @@ def read_run_id(run_dir: Path) -> str | None:
                           f"restore it, or start over with trainer.resume=never trainer.overwrite=true") from None
 
 
+def _is_run_dir(run_dir: Path) -> bool:
+    return any((run_dir / marker).exists() for marker in MARKERS)
+
+
+def _not_a_run_dir(run_dir: Path) -> ConfigError:
+    return ConfigError(f"trainer.run_dir: {run_dir} is not empty and is not a run directory "
+                       f"(it has no {' or '.join(MARKERS)}); choose an empty or new directory")
+
+
 def _open_lock(run_dir: Path) -> int:
     try:
+        if run_dir.is_dir() and not (run_dir / LOCK).exists() and not _is_run_dir(run_dir) \
+                and any(run_dir.iterdir()):
+            raise _not_a_run_dir(run_dir)  # not even a lock file goes into a directory that is someone else's
         run_dir.mkdir(parents=True, exist_ok=True)
         return os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename and Path(exc.filename) != run_dir else ""
         raise ConfigError(f"trainer.run_dir: cannot write the run directory {run_dir}: "
-                          f"{exc.strerror or exc} ({exc.filename or run_dir})") from None
+                          f"{exc.strerror or exc}{where}") from None
 
 
 def _read(fd: int) -> dict:

@@ -10,7 +10,10 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 
@@ -42,3 +45,21 @@ def spawn_agl(*args, env: dict[str, str] | None = None, log: Path | None = None)
 def run_dir(tmp_path) -> Path:
     """A run directory that does not exist yet."""
     return tmp_path / "run"
+
+
+def wait_until(condition: Callable[[], object], timeout: float, what: str) -> object:
+    """Poll ``condition`` every 10 ms until it returns something true (returned); fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not (result := condition()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+    return result
+
+
+@pytest.fixture
+def agl() -> SimpleNamespace:
+    """This module's helpers for test modules, which cannot import it by name (the repository has several
+    ``conftest`` modules): ``agl.run``, ``agl.spawn``, ``agl.wait_until``, ``agl.QUICKSTART``, ``agl.GUESS_NUMBER``."""
+    return SimpleNamespace(run=run_agl, spawn=spawn_agl, wait_until=wait_until, QUICKSTART=QUICKSTART,
+                           GUESS_NUMBER=GUESS_NUMBER)
