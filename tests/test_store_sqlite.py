@@ -2,10 +2,12 @@
 
 import contextlib
 import selectors
+import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -163,3 +165,139 @@ def test_unknown_plugin_setting_is_refused(make_recipe):
 
     with pytest.raises(ConfigError, match="plugins.sqlite.batchsize: unknown key"):
         make_recipe(["plugins.sqlite.batchsize=8"], flags=["sqlite"])
+
+
+# ---------------------------------------------------------------- the file is checked when the store opens
+
+
+def a_store_file(path: Path) -> Path:
+    """A real store file with a few hundred KB of spans, closed (checkpointed: no WAL beside it)."""
+    store = SqliteStore(path)
+    store.enqueue([NewRollout("r", Task(id="t", input={}))])
+    store.add_spans([Span(rollout_id="r", attempt_id="1", sequence_id=i, kind="llm_call",
+                          prompt_token_ids=list(range(100))) for i in range(500)])
+    store.close()
+    return path
+
+
+def write_random(path):
+    path.write_bytes(bytes(range(256)) * 32)
+
+
+def write_text(path):
+    path.write_text("rollout_id,reward\nr0,1.0\n" * 100)
+
+
+def write_truncated(path):
+    data = a_store_file(path).read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def write_foreign(path):
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("CREATE TABLE spans (id INTEGER PRIMARY KEY, text TEXT)")
+        conn.commit()
+
+
+@pytest.mark.parametrize(("write", "reason"), [
+    (write_random, "file is not a database (it is not an SQLite database)"),
+    (write_text, "file is not a database (it is not an SQLite database)"),
+    (write_truncated, "database disk image is malformed (it is damaged or truncated)"),
+    (write_foreign, "its table 'spans' is not a store's: it lacks the columns attempt_id, kind, rollout_id, "
+                    "sequence_id, span")])
+def test_a_file_that_is_not_a_sound_store_is_refused_naming_its_path(tmp_path, write, reason):
+    path = tmp_path / "rollouts.sqlite"
+    write(path)
+    before = path.read_bytes()
+    with pytest.raises(ValueError) as refused:
+        SqliteStore(path)
+    assert str(refused.value) == f"the SQLite store {path} cannot be used: {reason}"
+    assert path.read_bytes() == before  # looked at, never repaired or overwritten
+
+
+def test_a_damaged_page_that_sqlite_opens_is_found_by_the_quick_check(tmp_path):
+    path = a_store_file(tmp_path / "rollouts.sqlite")
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+        root = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'spans_by_rollout'").fetchone()[0]
+    data = bytearray(path.read_bytes())
+    start = (root - 1) * page_size
+    data[start:start + page_size] = b"\xff" * page_size  # the index's root page: header and schema still read
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=f"the SQLite store {path} cannot be used: it is damaged"):
+        SqliteStore(path)
+
+
+def test_an_empty_file_is_a_new_store(tmp_path):
+    path = tmp_path / "rollouts.sqlite"
+    path.touch()
+    store = SqliteStore(path)
+    store.enqueue([NewRollout("a", Task(id="t", input={}))])
+    assert [r.rollout_id for r in store.query()] == ["a"]
+    store.close()
+
+
+def test_a_path_that_cannot_be_a_file_is_refused_naming_it(tmp_path):
+    (tmp_path / "a_file").touch()
+    under_a_file = tmp_path / "a_file" / "run" / "rollouts.sqlite"
+    with pytest.raises(ValueError, match=f"the SQLite store {under_a_file} cannot be used: its directory "
+                                         f"{under_a_file.parent} cannot be created"):
+        SqliteStore(under_a_file)
+    with pytest.raises(ValueError, match=f"the SQLite store {tmp_path} cannot be used: it is a directory"):
+        SqliteStore(tmp_path)
+
+
+def test_a_directory_or_file_this_process_may_not_write_is_refused_naming_the_path():
+    # Root writes anywhere whatever the mode bits, so the child drops to nobody when it is root (CI runs as
+    # root); it imports first, as nobody may not read this interpreter's files. The directory is in the
+    # system's temporary directory, which nobody may enter.
+    directory = Path(tempfile.mkdtemp(prefix="agl-readonly-"))
+    try:
+        a_store_file(directory / "kept.sqlite")
+        (directory / "kept.sqlite").chmod(0o444)
+        directory.chmod(0o555)
+        proc = child(f"""
+            import os
+            from agl_plugin_sqlite import SqliteStore
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            for name in ("new.sqlite", "kept.sqlite", "run/rollouts.sqlite"):
+                try:
+                    SqliteStore(os.path.join({str(directory)!r}, name))
+                    print("opened", name)
+                except ValueError as exc:
+                    print(exc)
+        """)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        directory.chmod(0o755)
+        shutil.rmtree(directory)
+    assert proc.returncode == 0 and not err, err.decode()
+    assert out.decode().splitlines() == [
+        f"the SQLite store {directory}/new.sqlite cannot be used: unable to open database file (check that "
+        "its directory exists and this process may write there)",
+        f"the SQLite store {directory}/kept.sqlite cannot be used: attempt to write a readonly database (this "
+        "process may not write the file or its directory)",
+        f"the SQLite store {directory}/run/rollouts.sqlite cannot be used: its directory {directory}/run cannot "
+        f"be created (Permission denied: {directory}/run)"]
+
+
+def test_a_failing_span_writer_reports_its_first_error_naming_the_file_and_prints_nothing(tmp_path, capfd):
+    path = tmp_path / "rollouts.sqlite"
+    store = SqliteStore(path)
+    store.enqueue([NewRollout("r", Task(id="t", input={}))])
+    with contextlib.closing(sqlite3.connect(path)) as other:  # the table goes away under the writer
+        other.execute("DROP TABLE spans")
+        other.commit()
+    message = f"spans cannot be written to the SQLite store {path}: OperationalError: no such table: spans"
+    store.add_spans([Span(rollout_id="r", sequence_id=0, kind="annotation")])
+    with pytest.raises(RuntimeError, match=message):
+        store.flush()
+    for _ in range(3):  # the same first error, every time
+        with pytest.raises(RuntimeError, match=message):
+            store.add_spans([Span(rollout_id="r", sequence_id=1, kind="annotation")])
+        with pytest.raises(RuntimeError, match=message):
+            store.flush()
+    store.close()
+    assert capfd.readouterr().err == ""

@@ -9,10 +9,17 @@ kill -9 of any process (a power cut may lose the last few).
 
 Span sequence ids are counted in the process that writes a rollout's spans
 (seeded from the file), which is the process running the rollout's gateway.
+
+Opening a store checks its file before anything runs (:meth:`SqliteStore.__init__`):
+a file that is not an SQLite database, a damaged or truncated one, tables of
+another layout, or a file or directory this process cannot write is a
+ValueError naming the path.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import queue
 import sqlite3
@@ -59,6 +66,16 @@ _COLUMNS = ("rollout_id, task, sample_index, metadata, status, attempts, final_r
 POLL_S = 0.05
 """How often a waiting caller looks at the file for changes made by other processes (this
 process's own changes wake it at once)."""
+QUICK_CHECK_MAX_BYTES = 64 * 2**20
+"""Files up to this size get ``PRAGMA quick_check`` when opened: it reads every page (about 0.9 s per GB from
+the page cache, the disk's read speed otherwise). Larger files get the checks SQLite makes on opening (the
+header, the size it records against the file's, the schema), a few milliseconds whatever the size."""
+_HINTS = {
+    "file is not a database": "it is not an SQLite database",
+    "database disk image is malformed": "it is damaged or truncated",
+    "unable to open database file": "check that its directory exists and this process may write there",
+    "attempt to write a readonly database": "this process may not write the file or its directory",
+}
 
 
 class SqliteStore:
@@ -74,7 +91,6 @@ class SqliteStore:
     def __init__(self, path: str | Path, batch_size: int = 512, max_pending: int = 20_000,
                  keep_consumed: bool = True, busy_timeout_s: float = 30.0):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.batch_size, self.keep_consumed = batch_size, keep_consumed
         self._busy_timeout_ms = int(busy_timeout_s * 1000)
         self._local = threading.local()
@@ -84,21 +100,50 @@ class SqliteStore:
         self._sequence: dict[str, int] = {}
         self._sequence_lock = threading.Lock()
         self._closed = False
-        with self._connection() as conn:
-            conn.executescript(SCHEMA)
-        self._writer = _SpanWriter(self._new_connection(), batch_size, max_pending)
+        try:
+            self._open()
+            writer_connection = self._new_connection()
+        except (OSError, sqlite3.Error, ValueError) as exc:
+            self._close_connections()
+            raise self._unusable(exc) from None
+        self._writer = _SpanWriter(writer_connection, batch_size, max_pending, self.path)
         self._writer.start()
+
+    def _open(self) -> None:
+        """Create the file and its tables, or check the existing file's; raises what it finds wrong."""
+        if self.path.is_dir():
+            raise ValueError("it is a directory")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"its directory {self.path.parent} cannot be created ({exc.strerror}: "
+                             f"{exc.filename})") from None
+        if self.path.exists() and self.path.stat().st_size > 0:  # SQLite takes an empty file for a new database
+            _check_file(self.path)
+        conn = self._connection()
+        conn.executescript(SCHEMA)
+        # The write lock, taken and let go: a file or directory this process may not write fails here.
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("ROLLBACK")
+
+    def _unusable(self, exc: BaseException) -> ValueError:
+        """The error for a store file that cannot be used: its path, what is wrong and, for SQLite's words, why."""
+        text = str(exc)
+        if isinstance(exc, OSError) and exc.strerror:
+            text = exc.strerror + (f": {exc.filename}" if exc.filename else "")
+        hint = _HINTS.get(text)
+        return ValueError(f"the SQLite store {self.path} cannot be used: {text}" + (f" ({hint})" if hint else ""))
 
     # ------------------------------------------------------------ connections
 
     def _new_connection(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
                                timeout=self._busy_timeout_ms / 1000)
+        with self._connections_lock:  # closed with the store, also when a PRAGMA below fails
+            self._connections.append(conn)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
-        with self._connections_lock:
-            self._connections.append(conn)
         return conn
 
     def _connection(self) -> sqlite3.Connection:
@@ -301,12 +346,15 @@ class SqliteStore:
         try:
             self._writer.stop()
         finally:
-            self._closed = True
-            with self._connections_lock:
-                for conn in self._connections:
-                    conn.close()
-                self._connections.clear()
+            self._close_connections()
             self._sequence.clear()
+
+    def _close_connections(self) -> None:
+        self._closed = True
+        with self._connections_lock:
+            for conn in self._connections:
+                conn.close()
+            self._connections.clear()
 
     # ------------------------------------------------------------ waiting
 
@@ -322,6 +370,34 @@ class SqliteStore:
         with self._changed:
             self._changed.wait(min(left, POLL_S))
         return True
+
+
+def _check_file(path: Path) -> None:
+    """Raise sqlite3.Error or ValueError unless the file at ``path`` is a sound SQLite database whose tables, if
+    any, are a store's. Read-only: a file that is not a store is left as it was."""
+    with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as conn:
+        conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()  # the header, size and schema
+        if path.stat().st_size <= QUICK_CHECK_MAX_BYTES:
+            problems = [row[0] for row in conn.execute("PRAGMA quick_check(3)")]
+            if problems != ["ok"]:
+                raise ValueError(f"it is damaged ({'; '.join(problems)})")
+        for table, columns in _schema_columns().items():
+            found = _columns(conn, table)
+            if found and set(columns) - set(found):
+                raise ValueError(f"its table {table!r} is not a store's: it lacks the columns "
+                                 f"{', '.join(sorted(set(columns) - set(found)))}")
+
+
+def _columns(conn: sqlite3.Connection, table: str) -> list[str]:
+    return [row[1] for row in conn.execute(f"PRAGMA table_info({table})")]
+
+
+@functools.cache
+def _schema_columns() -> dict[str, list[str]]:
+    """The columns :data:`SCHEMA` gives each table."""
+    with contextlib.closing(sqlite3.connect(":memory:")) as conn:
+        conn.executescript(SCHEMA)
+        return {table: _columns(conn, table) for table in ("rollouts", "spans")}
 
 
 def _number(attempt_id: str) -> int:
@@ -351,19 +427,23 @@ class _Immediate:
 
 
 class _SpanWriter(threading.Thread):
-    """Inserts queued spans in batches of up to ``batch_size``, one transaction per batch."""
+    """Inserts queued spans in batches of up to ``batch_size``, one transaction per batch.
 
-    def __init__(self, conn: sqlite3.Connection, batch_size: int, max_pending: int):
+    The first failed insert is kept as :attr:`error` (the thread prints
+    nothing); from then on queued spans are dropped, and :meth:`put` and
+    :meth:`flush` raise it, naming the file.
+    """
+
+    def __init__(self, conn: sqlite3.Connection, batch_size: int, max_pending: int, path: Path):
         super().__init__(name="agl-sqlite-span-writer", daemon=True)
-        self.conn, self.batch_size = conn, batch_size
+        self.conn, self.batch_size, self.path = conn, batch_size, path
         self.pending: queue.Queue[Span | None] = queue.Queue(maxsize=max_pending)
         self.done = threading.Condition()
         self.added = self.written = 0
         self.error: BaseException | None = None
 
     def put(self, spans: Sequence[Span]) -> None:
-        if self.error is not None:
-            raise RuntimeError(f"the span writer failed: {self.error!r}") from self.error
+        self._raise_error()
         with self.done:
             self.added += len(spans)
         for span in spans:
@@ -374,8 +454,12 @@ class _SpanWriter(threading.Thread):
             target = self.added
             while self.written < target and self.error is None:
                 self.done.wait(1.0)
+        self._raise_error()
+
+    def _raise_error(self) -> None:
         if self.error is not None:
-            raise RuntimeError(f"the span writer failed: {self.error!r}") from self.error
+            raise RuntimeError(f"spans cannot be written to the SQLite store {self.path}: "
+                               f"{type(self.error).__name__}: {self.error}") from self.error
 
     def stop(self) -> None:
         self.pending.put(None)  # after every queued span: they are written first
@@ -391,13 +475,13 @@ class _SpanWriter(threading.Thread):
                     break
             spans = [span for span in batch if span is not None]
             try:
-                if spans:
+                if spans and self.error is None:
                     with _Immediate(self.conn) as conn:
                         conn.executemany("INSERT INTO spans (rollout_id, attempt_id, sequence_id, kind, span) "
                                          "VALUES (?, ?, ?, ?, ?)",
                                          [(s.rollout_id, s.attempt_id, s.sequence_id, s.kind, s.model_dump_json())
                                           for s in spans])
-            except BaseException as exc:  # surfaced by the next put/flush instead of a silent loss
+            except BaseException as exc:  # surfaced by every later put/flush instead of a silent loss
                 self.error = exc
             with self.done:
                 self.written += len(spans)
