@@ -106,7 +106,7 @@ def cmd_train(args) -> int:
         last = latest_checkpoint(trainer.ctx.run_dir)
         then = (f"continue from its last checkpoint ({last.name}) with trainer.resume=auto" if last is not None
                 else "it wrote no checkpoint yet (trainer.save_freq), so a rerun starts over")
-        print(f"agl: interrupted by {signal.Signals(signum).name} in step {trainer.ctx.step} of "
+        print(f"agl: interrupted by {signal.Signals(signum).name} at step {trainer.ctx.step} of "
               f"{trainer.ctx.run_dir}; {then}", file=sys.stderr)
         return 128 + signum
     return 0

@@ -5,11 +5,15 @@ row of logits (no language model); every other part of the step is real.
 """
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from agl_core import HOOK_API_VERSION, hookimpl
+from agl_core.checkpoint import CORE_STATE
+from agl_core.config import ConfigError
 from agl_core.data import Task
 from agl_core.loop import Trainer
 from agl_core.testing import BatchRecorder
@@ -153,6 +157,66 @@ def test_resume_continues_the_same_trajectory(make_recipe, tmp_path):
     for ma, mb in zip(a, b):
         assert comparable(ma) == comparable(mb)
     assert torch.equal(straight.ctx.state["instant"].logits, resumed.ctx.state["instant"].logits)
+
+
+class Sequence:
+    """Records, in order, the steps logged and the checkpoints written, and what ``on_train_start`` saw."""
+
+    AGL_HOOK_API = HOOK_API_VERSION
+
+    def __init__(self):
+        self.events = []
+
+    @hookimpl
+    def on_train_start(self, ctx):
+        self.events.append(("start", ctx.step, ctx.purge_step, ctx.run_id))
+
+    @hookimpl
+    def log_metrics(self, ctx, metrics, step):
+        self.events.append(("log", step))
+
+    @hookimpl
+    def save_checkpoint(self, ctx, path):
+        self.events.append(("save", ctx.step))
+
+
+def test_a_step_is_logged_before_its_checkpoint_and_checkpoints_carry_the_run_id(make_recipe):
+    seen = Sequence()
+    recipe, pset = make_recipe(["trainer.total_steps=2", "trainer.save_freq=1", "trainer.test_freq=1",
+                                "data.train_batch_size=5"], plugins=[("sequence", seen)], flags=["instant"])
+    t = Trainer(recipe, pset, train_tasks=TASKS[1:], val_tasks=VAL)
+    t.fit()
+    run_id = json.loads((t.ctx.run_dir / "run.json").read_text())["run_id"]
+    assert seen.events == [("start", 0, 0, run_id), ("log", 0), ("log", 1), ("save", 1), ("log", 2), ("save", 2)]
+    state = torch.load(t.ctx.run_dir / "checkpoints/global_step_2" / CORE_STATE, weights_only=False)
+    assert state["run_id"] == run_id == t.ctx.run_id
+
+
+def test_a_resumed_run_drops_the_logged_steps_after_its_checkpoint(make_recipe):
+    def run(overrides, seen=None):
+        recipe, pset = make_recipe(["trainer.save_freq=2", "data.train_batch_size=5", *overrides],
+                                   plugins=[("sequence", seen)] if seen else [], flags=["instant"])
+        Trainer(recipe, pset, train_tasks=TASKS[1:], val_tasks=VAL).fit()
+        return recipe.trainer.run_dir
+
+    run_dir = run(["trainer.total_steps=3"])
+    with open(f"{run_dir}/metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "actor/pg_loss": 0.5}\n{"step": 5, "actor/pg')  # a killed process's last lines
+    seen = Sequence()
+    run(["trainer.total_steps=4", "trainer.resume=auto"], seen)
+    assert seen.events[0][:3] == ("start", 3, 4)  # resumed at step 3: steps from 4 on are logged again
+    logged = read_metrics(Path(run_dir))
+    assert [m["step"] for m in logged] == [0, 1, 2, 3, 4]
+    assert "training/global_step" in logged[-1]  # step 4 as this run logged it, not the killed one's line
+
+
+def test_resume_never_refuses_a_run_directory_that_holds_a_run(make_recipe):
+    recipe, pset = make_recipe(["trainer.total_steps=1", "data.train_batch_size=5"], flags=["instant"])
+    Trainer(recipe, pset, train_tasks=TASKS[1:], val_tasks=VAL).fit()
+    recipe, pset = make_recipe(["trainer.total_steps=1", "data.train_batch_size=5", "trainer.resume=never"],
+                               flags=["instant"])
+    with pytest.raises(ConfigError, match="holds a previous run and trainer.resume is 'never'"):
+        Trainer(recipe, pset, train_tasks=TASKS[1:], val_tasks=VAL).fit()
 
 
 def test_epochs_set_total_steps(make_recipe):
