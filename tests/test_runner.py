@@ -113,7 +113,7 @@ def test_failures_are_recorded_with_the_exception_text_and_do_not_stop_the_other
     assert [r.status for r in result.rollouts] == ["succeeded", "failed", "failed"]
     assert "ValueError: the tool server said no" in result.rollouts[1].error
     assert "Traceback" in result.rollouts[1].error
-    assert "must be a number or None, got str" in result.rollouts[2].error
+    assert "must be a real number or None, got str" in result.rollouts[2].error
     assert result.metrics["rollout/n_failed"] == 2
 
 
