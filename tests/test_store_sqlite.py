@@ -1,9 +1,11 @@
-"""The sqlite store's own promises: a real file in WAL mode, crash safety, several processes, the plugin."""
+"""The sqlite store's own promises: a real file in WAL mode, several processes, the plugin, the checks of its file.
+
+Crash safety (kill -9 of a writer) is in tests/faults/test_fault_store.py.
+"""
 
 import contextlib
 import selectors
 import shutil
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -69,48 +71,6 @@ def test_released_rollouts_are_deleted_unless_kept(tmp_path):
     assert store.get_rollouts(["a"]) == []
     with contextlib.closing(sqlite3.connect(tmp_path / "r.sqlite")) as conn:
         assert conn.execute("SELECT COUNT(*) FROM spans").fetchone()[0] == 0
-    store.close()
-
-
-def test_kill_9_of_a_writing_process_keeps_every_committed_span(tmp_path):
-    path = tmp_path / "rollouts.sqlite"
-    proc = child(f"""
-        from agl_plugin_sqlite import SqliteStore
-        from agl_core.data import Span, Task
-        from agl_core.store import NewRollout
-        store = SqliteStore({str(path)!r}, batch_size=64)
-        store.enqueue([NewRollout("r", Task(id="t", input={{}}))])
-        attempt = store.dequeue("w", 30)
-        def spans(n):
-            return [Span(rollout_id="r", attempt_id=attempt.attempt_id, sequence_id=store.next_sequence_id("r"),
-                         kind="llm_call", prompt_token_ids=list(range(50)), response_token_ids=[1, 2, 3],
-                         response_logprobs=[-0.5, -0.25, -0.125]) for _ in range(n)]
-        committed = 0
-        while True:
-            store.add_spans(spans(100))
-            store.flush()
-            committed += 100
-            print(committed, flush=True)
-            store.add_spans(spans(10))  # more in flight, unflushed, when the kill lands
-    """)
-    try:
-        lines = read_lines(proc, lambda lines: len(lines) >= 20)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.communicate(timeout=10)  # reaps it and closes the pipes
-    committed = int(lines[-1])
-
-    conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    conn.close()
-    store = SqliteStore(path)
-    assert store.finish("r", "1", "failed", error="writer was killed")
-    (rollout,) = store.get_rollouts(["r"])
-    assert len(rollout.spans) >= committed
-    ids = [s.sequence_id for s in rollout.spans]
-    assert ids == list(range(len(ids)))  # no committed span missing, none half-written
-    assert all(s.response_logprobs == [-0.5, -0.25, -0.125] for s in rollout.spans)
     store.close()
 
 

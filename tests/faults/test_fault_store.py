@@ -14,14 +14,13 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 from agl_plugin_sqlite import SqliteStore
 
-from agl_core.data import Span, Task
+from agl_core.data import Task
 from agl_core.store import NewRollout
 
 ACKNOWLEDGED = 12  # flushed batches the parent waits for before it kills the writer
