@@ -358,3 +358,14 @@ def test_the_weight_version_the_policy_server_reports_is_recorded(endpoint, stor
     gateway.weight_version, endpoint.weight_version = 9, 4
     client(server).chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
     assert spans(store)[0].attributes["weight_version"] == 4
+
+
+def test_a_store_that_cannot_write_fails_the_call_with_503_naming_why(endpoint, store, serve, monkeypatch):
+    def broken(spans):
+        raise RuntimeError("spans cannot be written to the SQLite store /x.sqlite: disk I/O error")
+
+    monkeypatch.setattr(store, "add_spans", broken)
+    _, server = serve(store, [endpoint.url])
+    for _ in range(2):  # the gateway keeps answering
+        with pytest.raises(openai.InternalServerError, match="cannot record this call: spans cannot be written"):
+            client(server).chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])

@@ -70,6 +70,7 @@ class Gateway:
         self.upstreams = Upstreams(list(upstreams))
         self.seed = seed
         self.weight_version: int | None = None
+        self._store_failed = False  # logged once: every later call would say the same
         self._session: aiohttp.ClientSession | None = None
         self.app = Starlette(
             routes=[Route(f"{PREFIX}/chat/completions", self._chat, methods=["POST"]),
@@ -136,7 +137,10 @@ class Gateway:
                   "upstream_tries": forwarded.tries, "weight_version": self.weight_version,
                   "agent_name": state.metadata.get("agent_name")}
         spans = _spans(rollout_id, attempt_id, sequence_ids, endpoint, body, forwarded, common, start, time.time())
-        await asyncio.to_thread(self._record, rollout_id, spans)
+        try:
+            await asyncio.to_thread(self._record, rollout_id, spans)
+        except RequestError as exc:
+            return error_response(exc.status, str(exc))
         if forwarded.error is not None:
             return error_response(forwarded.status, forwarded.error)
         return Response(forwarded.body, forwarded.status, media_type="application/json")
@@ -171,10 +175,16 @@ class Gateway:
             raise RequestError(409, f"rollout {rollout_id!r} ended; its calls are not recorded") from None
 
     def _record(self, rollout_id: str, spans: list[Span]) -> None:
+        """Write the call's spans; RequestError 503 when the store cannot (the agent must not train blind)."""
         try:
             self.store.add_spans(spans)
         except KeyError:  # the rollout ended (timed out) and was consumed while this call was in flight
             log.info("rollout %s was released before its call returned; the call is not recorded", rollout_id)
+        except Exception as exc:  # noqa: BLE001 - a store that cannot write fails the call, not the gateway
+            if not self._store_failed:
+                self._store_failed = True
+                log.error("the store cannot record model calls: %s", exc)
+            raise RequestError(503, f"the gateway cannot record this call: {exc}") from None
 
     def _upstream_body(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
         out = ask_for_tokens(endpoint, body)
