@@ -22,6 +22,7 @@ import hmac
 import ipaddress
 import json
 import math
+import os
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -63,6 +64,18 @@ def require_token_off_loopback(what: str, host: str, token: str | None, setting:
     if not is_loopback(host) and not token:
         raise ValueError(f"{what} binds {host}, which is not a loopback address: set {setting} "
                          f"so that only callers with it get in")
+
+
+POLICY_TOKEN_ENV = "AGL_POLICY_TOKEN"
+
+
+def policy_token(configured: str | None) -> str | None:
+    """The bearer token between the gateway and the policy servers: ``configured``, else ``$AGL_POLICY_TOKEN``.
+
+    The gateway sends it and a policy server requires it; both sides read it
+    here, so the environment variable alone configures both.
+    """
+    return configured or os.environ.get(POLICY_TOKEN_ENV) or None
 
 
 def has_bearer(request: Request, token: str | None) -> bool:

@@ -36,12 +36,11 @@ from agl_core.data import Span
 from agl_core.gateway.capture import CHAT, COMPLETIONS, Captured, ask_for_tokens, capture, without_token_fields
 from agl_core.gateway.upstream import Forwarded, Upstreams, post_with_retries
 from agl_core.http_rules import (RequestError, check_bearer, check_sampling, error_response, health_response,
-                                 parse_json_object, read_body, require_token_off_loopback)
+                                 parse_json_object, policy_token, read_body, require_token_off_loopback)
 from agl_core.http_server import ServerThread
 from agl_core.store import AttemptState, Store
 
 TOKEN_ENV = "AGL_GATEWAY_TOKEN"
-UPSTREAM_TOKEN_ENV = "AGL_POLICY_TOKEN"
 log = logging.getLogger("agl_core.gateway")
 PREFIX = "/rollout/{rollout_id}/attempt/{attempt_id}/v1"
 
@@ -65,7 +64,7 @@ class Gateway:
         self.token = self.config.token or os.environ.get(TOKEN_ENV) or None
         require_token_off_loopback("the gateway", self.config.host, self.token,
                                    f"rollout.gateway.token (or ${TOKEN_ENV})")
-        self.upstream_token = self.config.upstream_token or os.environ.get(UPSTREAM_TOKEN_ENV) or None
+        self.upstream_token = policy_token(self.config.upstream_token)
         self.sampling = {k: v for k, v in (sampling or {}).items() if v is not None}
         self.upstreams = Upstreams(list(upstreams))
         self.seed = seed

@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("agl_plugin_torch")
 
 from agl_plugin_torch.backend import create  # noqa: E402
-from agl_plugin_torch.server import TOKEN_ENV  # noqa: E402
+from agl_core.http_rules import POLICY_TOKEN_ENV  # noqa: E402
 from agl_plugin_torch.settings import TorchConfig  # noqa: E402
 from agl_plugin_torch.testing import restore_torch_threads, tiny_section  # noqa: E402, F401 (an autouse fixture)
 
@@ -41,7 +41,7 @@ BODY_TIMEOUT_S = 1.0
 @pytest.fixture
 def endpoint(tmp_path, monkeypatch):
     """The root URL of the real policy endpoint over a tiny model, with a small body limit and timeout."""
-    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.delenv(POLICY_TOKEN_ENV, raising=False)
     section = tiny_section(serving={"max_body_bytes": MAX_BODY_BYTES, "body_timeout_s": BODY_TIMEOUT_S})
     backend = create(TorchConfig.model_validate(section), tmp_path, seed=0, with_critic=False)
     backend.start_serving("policy")

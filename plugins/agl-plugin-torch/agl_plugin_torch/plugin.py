@@ -12,6 +12,8 @@ import logging
 from pathlib import Path
 
 from agl_core import HOOK_API_VERSION, hookimpl
+from agl_core.http_rules import POLICY_TOKEN_ENV, policy_token
+from agl_core.plugins import PluginError
 
 from agl_plugin_torch import training
 from agl_plugin_torch.backend import NAME, ActorTransform, Backend, create, export_actor, on_device
@@ -66,6 +68,12 @@ class TorchBackend:
     @hookimpl
     def on_train_start(self, ctx):
         backend = backend_of(ctx)
+        served = policy_token(backend.config.serving.token)
+        sent = policy_token(ctx.config.rollout.gateway.upstream_token)
+        if served is not None and served != sent:
+            raise PluginError("plugins.torch.serving.token is not the token the gateway sends its policy servers "
+                              "(rollout.gateway.upstream_token): every model call would be refused with 401; set "
+                              f"both to the same token, or set only ${POLICY_TOKEN_ENV}")
         backend.start_serving(ctx.config.rollout.model)
         n_params = sum(p.numel() for p in backend.actor.parameters())
         log.info("policy %s (%.2fM parameters, %s) served at %s", backend.source, n_params / 1e6,

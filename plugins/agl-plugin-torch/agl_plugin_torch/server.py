@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 import uuid
 from typing import Any
@@ -42,8 +41,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from transformers import PreTrainedTokenizerBase
 
-from agl_core.http_rules import (RequestError, check_bearer, check_sampling, error_response, health_response,
-                                 parse_json_object, read_body, require_token_off_loopback)
+from agl_core.http_rules import (POLICY_TOKEN_ENV, RequestError, check_bearer, check_sampling, error_response,
+                                 health_response, parse_json_object, policy_token, read_body,
+                                 require_token_off_loopback)
 from agl_core.http_server import ServerThread
 
 from agl_plugin_torch.engine import Engine, Generated
@@ -52,7 +52,6 @@ from agl_plugin_torch.settings import ServingConfig
 
 log = logging.getLogger("agl_plugin_torch")
 
-TOKEN_ENV = "AGL_POLICY_TOKEN"
 """The environment variable that holds the bearer token when the recipe sets none (the gateway reads it too)."""
 
 MAX_REPORTED_NAMES = 32
@@ -94,9 +93,9 @@ class PolicyServer:
                  config: ServingConfig, model_name: str = "policy"):
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.context_length, self.model_name = context_length, model_name
-        self.token = config.token or os.environ.get(TOKEN_ENV) or None
+        self.token = policy_token(config.token)
         require_token_off_loopback("the policy endpoint", config.host, self.token,
-                                   f"plugins.torch.serving.token (or ${TOKEN_ENV})")
+                                   f"plugins.torch.serving.token (or ${POLICY_TOKEN_ENV})")
         self._reported_names: set[str] = set()
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
@@ -108,7 +107,8 @@ class PolicyServer:
 
     def serve(self) -> ServerThread:
         """Start serving on ``config.host:config.port``; clients use ``server.url + "/v1"``."""
-        return ServerThread(self.app, self.config.host, self.config.port, name="agl-torch-policy").start()
+        return ServerThread(self.app, self.config.host, self.config.port, name="agl-torch-policy",
+                            setting="plugins.torch.serving.port").start()
 
     # ------------------------------------------------------------ endpoints
 

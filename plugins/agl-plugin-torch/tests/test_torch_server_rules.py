@@ -1,12 +1,17 @@
 """The policy endpoint keeps the rules of every server: a token off loopback, bounded bodies, a bare health check."""
 
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
 from openai import OpenAI
 
+from agl_core.http_rules import POLICY_TOKEN_ENV
 from agl_plugin_torch.backend import create
-from agl_plugin_torch.server import TOKEN_ENV
 from agl_plugin_torch.settings import TorchConfig
 from agl_plugin_torch.testing import tiny_section
 
@@ -17,7 +22,7 @@ CHAT = {"model": "policy", "messages": MESSAGES, "max_tokens": 2}
 @pytest.fixture
 def serve(tmp_path, monkeypatch):
     """``serve(**serving)``: a backend over the tiny model, its endpoint started with these serving settings."""
-    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.delenv(POLICY_TOKEN_ENV, raising=False)
     started = []
 
     def start(**serving):
@@ -43,7 +48,7 @@ def test_a_bind_off_loopback_without_a_token_is_refused_at_start_up(serve):
 
 
 def test_the_token_from_the_environment_guards_every_endpoint_but_a_bare_health_check(serve, monkeypatch):
-    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    monkeypatch.setenv(POLICY_TOKEN_ENV, "s3cret")
     root = local_url(serve(host="0.0.0.0"))
     for method, path, body in [("POST", "/v1/chat/completions", CHAT), ("GET", "/v1/models", None),
                                ("POST", "/v1/completions", {"prompt": "hello", "max_tokens": 2})]:
@@ -61,7 +66,7 @@ def test_the_token_from_the_environment_guards_every_endpoint_but_a_bare_health_
 
 
 def test_the_recipe_token_wins_over_the_environment(serve, monkeypatch):
-    monkeypatch.setenv(TOKEN_ENV, "from-env")
+    monkeypatch.setenv(POLICY_TOKEN_ENV, "from-env")
     root = local_url(serve(token="from-recipe"))
     assert httpx.get(root + "/v1/models", headers={"authorization": "Bearer from-env"},
                      timeout=30).status_code == 401
@@ -95,3 +100,16 @@ def test_serving_settings_are_checked():
         TorchConfig.model_validate(tiny_section(serving={"max_body_bytes": 10}))
     with pytest.raises(ValueError, match="body_timeout_s"):
         TorchConfig.model_validate(tiny_section(serving={"body_timeout_s": 0}))
+
+
+def test_a_serving_token_the_gateway_does_not_send_is_refused_at_start_up(tmp_path, monkeypatch):
+    """Through the real ``agl train``: every call would get 401, so the run does not start."""
+    monkeypatch.delenv(POLICY_TOKEN_ENV, raising=False)
+    root = Path(__file__).resolve().parents[3]
+    exe = shutil.which("agl") or str(Path(sys.executable).with_name("agl"))
+    out = subprocess.run([exe, "train", root / "examples" / "guess_number" / "recipe.yaml",
+                          f"trainer.run_dir={tmp_path / 'run'}", "plugins.torch.serving.token=s3cret"],
+                         capture_output=True, text=True, cwd=root, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert ("agl: error: plugins.torch.serving.token is not the token the gateway sends its policy servers "
+            "(rollout.gateway.upstream_token)") in out.stderr
