@@ -18,12 +18,10 @@ import time
 import httpx
 import pytest
 
-pytest.importorskip("agl_plugin_torch")
-
-from agl_plugin_torch.backend import create  # noqa: E402
-from agl_core.http_rules import POLICY_TOKEN_ENV  # noqa: E402
-from agl_plugin_torch.settings import TorchConfig  # noqa: E402
-from agl_plugin_torch.testing import restore_torch_threads, tiny_section  # noqa: E402, F401 (an autouse fixture)
+from agl_core.http_rules import POLICY_TOKEN_ENV
+from agl_plugin_torch.backend import create
+from agl_plugin_torch.settings import TorchConfig
+from agl_plugin_torch.testing import restore_torch_threads, tiny_section  # noqa: F401 (an autouse fixture)
 
 MESSAGES = [{"role": "user", "content": "guess a number"}]
 GOOD_CALLS = 30
