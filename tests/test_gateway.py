@@ -24,15 +24,6 @@ TOKENIZER = ByteTokenizer()
 
 
 @pytest.fixture
-def endpoint():
-    ep = TestEndpoint()
-    server = ep.serve()
-    ep.url = server.url + "/v1"
-    yield ep
-    server.stop()
-
-
-@pytest.fixture
 def store():
     s = MemoryStore()
     s.enqueue([NewRollout("r1", Task(id="t1", input={}), metadata={"agent_name": "echoer"})])

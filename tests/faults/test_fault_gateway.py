@@ -21,19 +21,10 @@ from agl_core.config import GatewayConfig
 from agl_core.data import Task
 from agl_core.gateway import Gateway
 from agl_core.store import NewRollout
-from agl_core.testing_endpoint import ByteTokenizer, TestEndpoint
+from agl_core.testing_endpoint import ByteTokenizer
 from agl_plugin_sqlite.store import SqliteStore
 
 MESSAGE = [{"role": "user", "content": "ping"}]
-
-
-@pytest.fixture
-def endpoint():
-    ep = TestEndpoint()
-    server = ep.serve()
-    ep.url = server.url + "/v1"
-    yield ep
-    server.stop()
 
 
 @pytest.fixture
