@@ -245,13 +245,6 @@ class Trainer:
         return checkpoint.save(ctx.run_dir, ctx.step, state, ctx.plugins.manifest(),
                                lambda path: ctx.plugins.broadcast("save_checkpoint", ctx=ctx, path=path))
 
-    def resume(self) -> None:
-        """Load the checkpoint named by ``trainer.resume``, if any (:func:`checkpoint.to_resume`)."""
-        found = checkpoint.to_resume(self.ctx.run_dir, self.ctx.config.trainer.resume,
-                                     run_dir.read_run_id(self.ctx.run_dir))
-        if found is not None:
-            self.load(found)
-
     def load(self, path: Path) -> None:
         """Restore the core's state and every plugin's from the checkpoint at ``path``."""
         state = checkpoint.load(path)

@@ -90,13 +90,13 @@ def test_lora_run_trains_the_adapter_resumes_with_lora_after_torch_and_exports_m
                                     extra_plugins=[("lora", lora_plugin)]), train_tasks=TASKS, val_tasks=[])
     hooks = [name for name, _ in resumed_trainer.ctx.plugins.implementations("load_checkpoint")]
     assert hooks.index("torch") < hooks.index("lora")
-    resumed_trainer.resume()
+    resumed_trainer.load(checkpoint)
     backend = resumed_trainer.ctx.state["torch"]
     for name, param in backend.actor.named_parameters():  # the checkpoint's adapter, loaded into the adapted actor
         assert torch.equal(param, trained[name]), name
     optimized = {id(p) for group in backend.actor_optim.param_groups for p in group["params"]}
     assert optimized == {id(p) for name, p in backend.actor.named_parameters() if "lora_" in name}
-    resumed_trainer.fit()  # resume() again, then step 3
+    resumed_trainer.fit()  # loads the checkpoint again (resume=auto), then step 3
     resumed = resumed_trainer
     backend = resumed.ctx.state["torch"]
     assert backend.weight_version == 3
