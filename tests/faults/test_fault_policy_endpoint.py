@@ -130,3 +130,12 @@ def test_a_trickling_body_is_cut_off_and_the_server_serves_others_meanwhile(endp
         assert received == b"" or received.startswith(b"HTTP/1.1 408"), received[:200]
         assert sent < 200  # cut off before the whole body was sent
         assert post_chat(client, {}).status_code == 200
+
+
+def test_agl_train_refuses_to_serve_the_policy_off_loopback_without_a_token(agl, run_dir, monkeypatch):
+    """Before, ``plugins.torch.serving.host=0.0.0.0`` served any caller, bypassing the gateway's token."""
+    monkeypatch.delenv(POLICY_TOKEN_ENV, raising=False)
+    out = agl.run("train", agl.GUESS_NUMBER, f"trainer.run_dir={run_dir}", "plugins.torch.serving.host=0.0.0.0")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert ("agl: error: the policy endpoint binds 0.0.0.0, which is not a loopback address: set "
+            "plugins.torch.serving.token (or $AGL_POLICY_TOKEN)") in out.stderr
