@@ -7,7 +7,7 @@ the process's resident set (``VmRSS``) every ``--interval`` seconds next to the
 number of steps logged so far. Warm-up is the first 10% of the steps; the
 figure is ``growth``: the largest RSS after warm-up over the RSS at the end of
 warm-up (target: at most 1.10). Prints one JSON line with, per run, the RSS
-at each tenth of the run and the growth.
+when each tenth of the steps was done and the growth.
 
     python benchmarks/bench_soak.py [--quickstart-steps 5000] [--default-steps 200] [--only quickstart|default]
 """
@@ -61,7 +61,7 @@ def soak(name: str, steps: int, interval_s: float, run_dir: Path) -> dict:
         raise SystemExit(f"{name}: agl train exited {process.returncode}; see {run_dir.parent / (name + '.log')}")
     warm = [rss for done, rss in samples if done <= steps * WARM_UP]
     after = [rss for done, rss in samples if done > steps * WARM_UP]
-    by_tenth = [max((rss for done, rss in samples if done <= steps * k / 10), default=0) for k in range(1, 11)]
+    by_tenth = [next((rss for done, rss in reversed(samples) if done <= steps * k / 10), 0) for k in range(1, 11)]
     return {"steps": steps, "seconds": round(time.monotonic() - start, 1), "samples": len(samples),
             "rss_mb_by_tenth": [round(rss / 2**20, 1) for rss in by_tenth],
             "rss_mb_after_warm_up": round(warm[-1] / 2**20, 1),
