@@ -1,4 +1,4 @@
-"""The ``agl`` command: train, plugins, config show, doctor, export, plot."""
+"""The ``agl`` command: train, plugins, config show, doctor, export, plot, serve store|gateway, runner."""
 
 from __future__ import annotations
 
@@ -67,11 +67,48 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--out", metavar="OUT", help="write the policy in its plugin's own format (e.g. the adapter)")
     export.set_defaults(run=cmd_export)
 
+    serve = sub.add_parser("serve", help="run a service of the rollout plane in this process (docs/scaling-out.md)")
+    services = serve.add_subparsers(required=True, metavar="SERVICE")
+    store = services.add_parser("store", help="the rollout store over HTTP, backed by an SQLite file")
+    store.add_argument("--db", required=True, help="the SQLite file (created if missing)")
+    _service_flags(store, token_env="AGL_STORE_TOKEN")
+    store.set_defaults(run=cmd_serve_store)
+    gateway = services.add_parser("gateway", help="the gateway agents call, recording into a store service")
+    gateway.add_argument("--store", required=True, metavar="URL", help="the store service's URL")
+    gateway.add_argument("--store-token", help="bearer token of the store service (default: $AGL_STORE_TOKEN)")
+    gateway.add_argument("--upstream", action="append", default=[], metavar="URL",
+                         help="a policy server's base URL (…/v1); repeatable. The trainer sets them each step")
+    gateway.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                         help="a rollout.gateway setting, e.g. --config max_n=16; repeatable")
+    _service_flags(gateway, token_env="AGL_GATEWAY_TOKEN")
+    gateway.set_defaults(run=cmd_serve_gateway)
+
+    runner = sub.add_parser("runner", help="run agents on rollouts leased from a store service, calling a gateway")
+    runner.add_argument("--store", required=True, metavar="URL", help="the store service's URL")
+    runner.add_argument("--store-token", help="bearer token of the store service (default: $AGL_STORE_TOKEN)")
+    runner.add_argument("--gateway", required=True, metavar="URL", help="the gateway's URL")
+    runner.add_argument("--gateway-token", help="bearer token of the gateway (default: $AGL_GATEWAY_TOKEN)")
+    runner.add_argument("--agent", required=True, help="the agent: 'package.module:function' or a registered name")
+    runner.add_argument("--workers", type=int, default=8, help="agent workers (threads) of this runner")
+    runner.add_argument("--model", default="policy", help="model name agents are given (llm.model)")
+    runner.add_argument("--timeout-s", type=float, default=600.0, help="time an attempt may take (rollout.timeout_s)")
+    runner.add_argument("--lease-s", type=float, default=30.0, help="lease of a running attempt (rollout.lease_s)")
+    runner.add_argument("--connect-timeout-s", type=float, default=60.0,
+                        help="how long to keep retrying a store or gateway that does not answer before exiting")
+    runner.set_defaults(run=cmd_runner)
+
     plot = sub.add_parser("plot", help="draw a run's curves (reward, KL, entropy, ...) into a PNG")
     plot.add_argument("run_dir", help="run directory (trainer.run_dir) holding metrics.jsonl")
     plot.add_argument("-o", "--out", help="PNG to write (default: RUN_DIR/curves.png)")
     plot.set_defaults(run=cmd_plot)
     return parser
+
+
+def _service_flags(parser: argparse.ArgumentParser, token_env: str) -> None:
+    """Where a service listens and the token it requires (the rules of agl_core.http_rules)."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind; anything but loopback needs a token")
+    parser.add_argument("--port", type=int, default=0, help="port to bind (0: a free one; the URL is printed)")
+    parser.add_argument("--token", help=f"bearer token callers must send (default: ${token_env})")
 
 
 class Interrupted(KeyboardInterrupt):
@@ -208,6 +245,24 @@ def cmd_export(args) -> int:
     (name, where), = exported.items()
     print(f"{where}  ({'merged' if args.merged else 'exported'} by plugin {name} from {checkpoint})")
     return 0
+
+
+def cmd_serve_store(args) -> int:
+    from agl_core.store_server import main as serve_store
+
+    return serve_store(args)
+
+
+def cmd_serve_gateway(args) -> int:
+    from agl_core.gateway.service import main as serve_gateway
+
+    return serve_gateway(args)
+
+
+def cmd_runner(args) -> int:
+    from agl_core.runner_service import main as run_runner
+
+    return run_runner(args)
 
 
 def cmd_plot(args) -> int:
