@@ -1,11 +1,16 @@
-"""The local runner: agent workers (threads) in the trainer's process, fed from the store.
+"""The local runner: agent workers (threads) fed from a store, and the step's wait for their rollouts.
 
-:meth:`LocalRunner.run` queues ``samples`` rollouts per task and supervises
-them until every one has ended: it renews the leases of running attempts,
-ends an attempt that outlives ``timeout_s`` as ``timed_out``, and lets the
-store requeue attempts whose worker was lost. A worker stuck in an agent that
-timed out is retired and replaced (a Python thread cannot be killed), so a
-hung agent costs a thread, never the step.
+:class:`LocalRunner` runs agent workers and a supervisor thread: the
+supervisor renews the leases of its running attempts and ends an attempt that
+outlives ``timeout_s`` as ``timed_out``. A worker stuck in an agent that timed
+out is retired and replaced (a Python thread cannot be killed), so a hung
+agent costs a thread, never the step. The workers run in the trainer's
+process (the ``local_runner`` plugin) or in a runner process anywhere
+(:mod:`agl_core.runner_service`): they only need a store.
+
+:func:`collect` is the trainer's side, whoever runs the workers: it queues
+``samples`` rollouts per task and waits until every one has ended, requeuing
+attempts whose worker was lost meanwhile.
 
 Agents may be sync or async functions; an async agent runs on its worker's
 own event loop and is cancelled when it times out.
@@ -37,6 +42,10 @@ log = logging.getLogger("agl_core.runner")
 MAX_ERROR_CHARS = 4000
 IDLE_POLL_S = 0.2
 """How long an idle worker waits on the store before checking whether it should stop."""
+SUPERVISE_POLL_S = 0.1
+"""How often the supervisor looks for overdue attempts (it renews leases every ``lease_s / 3``)."""
+STORE_RETRY_S = 1.0
+"""How long a worker waits before leasing again from a store that failed."""
 
 
 @dataclass
@@ -58,7 +67,7 @@ class _Worker:
 
 @dataclass
 class RunResult:
-    """The rollouts of one :meth:`LocalRunner.run`, in task order, and their metrics."""
+    """The rollouts of one :func:`collect`, in task order, and their metrics."""
 
     rollouts: list[Rollout]
     metrics: dict[str, float] = field(default_factory=dict)
@@ -68,37 +77,59 @@ class LocalRunner:
     """Runs ``agent`` on rollouts from ``store`` with ``n_workers`` threads.
 
     ``llm_for(rollout_id, attempt_id)`` builds the :class:`~agl_core.agents.LLM`
-    an attempt gets (its base URL points at the gateway).
+    an attempt gets (its base URL points at the gateway). ``max_attempts`` is
+    what :meth:`run` gives the rollouts it queues. ``timeout_setting`` names
+    where ``timeout_s`` was set, for the error of a timed-out attempt.
     """
 
     def __init__(self, store: Store, agent: Callable, llm_for: Callable[[str, str], LLM], *, n_workers: int = 8,
-                 timeout_s: float = 600.0, lease_s: float = 30.0, max_attempts: int = 2):
+                 timeout_s: float = 600.0, lease_s: float = 30.0, max_attempts: int = 2,
+                 timeout_setting: str = "rollout.timeout_s"):
         self.store, self.agent, self.llm_for = store, agent, llm_for
+        self.timeout_setting = timeout_setting
         self.n_workers, self.timeout_s, self.lease_s, self.max_attempts = n_workers, timeout_s, lease_s, max_attempts
         self.agent_name = agent_name(agent)
         self.is_async = inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(
             getattr(agent, "__call__", None))
         self._running: dict[tuple[str, str], _Running] = {}
         self._lock = threading.Lock()
-        self._stopping = threading.Event()
+        self._stopping = threading.Event()  # no new leases
+        self._stopped = threading.Event()  # no more supervision
+        self._supervisor: threading.Thread | None = None
         self._workers: list[_Worker] = []
         self._names = itertools.count()
 
     # ------------------------------------------------------------ workers
 
     def start(self) -> LocalRunner:
-        """Start the workers (they wait for queued rollouts)."""
+        """Start the workers (they wait for queued rollouts) and their supervisor."""
         for _ in range(self.n_workers):
             self._spawn_worker()
+        self._supervisor = threading.Thread(target=self._supervise, name="agl-runner-supervisor", daemon=True)
+        self._supervisor.start()
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Ask the workers to stop and wait up to ``timeout_s`` for the ones not stuck in an agent."""
+        """Stop leasing; wait up to ``timeout_s`` for the running attempts to end, then stop supervising them.
+
+        Their leases are renewed while they run; an attempt still running
+        afterwards is no longer renewed, so the store requeues it as the
+        attempt of a lost worker (or fails it, when it is out of attempts).
+        """
         self._stopping.set()
         deadline = time.monotonic() + timeout_s
         for worker in self._workers:
             if worker.thread is not None:
                 worker.thread.join(max(0.0, deadline - time.monotonic()))
+        self._stopped.set()
+        if self._supervisor is not None:
+            self._supervisor.join()
+
+    @property
+    def n_running(self) -> int:
+        """Attempts this runner's workers are running now."""
+        with self._lock:
+            return len(self._running)
 
     def _spawn_worker(self) -> None:
         self._workers = [w for w in self._workers if w.thread.is_alive()]  # forget retired workers that exited
@@ -111,7 +142,13 @@ class LocalRunner:
         loop = asyncio.new_event_loop() if self.is_async else None
         try:
             while not self._stopping.is_set() and not worker.retired:
-                attempt = self.store.dequeue(worker.name, self.lease_s, wait_s=IDLE_POLL_S)
+                try:
+                    attempt = self.store.dequeue(worker.name, self.lease_s, wait_s=IDLE_POLL_S)
+                except Exception:  # noqa: BLE001 - a store that fails now may answer later: the worker stays
+                    log.exception("runner worker %s cannot lease from the store; retrying in %g s",
+                                  worker.name, STORE_RETRY_S)
+                    self._stopping.wait(STORE_RETRY_S)
+                    continue
                 if attempt is None:
                     continue
                 running = _Running(attempt, worker, time.monotonic() + self.timeout_s)
@@ -121,12 +158,17 @@ class LocalRunner:
                 with self._lock:
                     still_ours = self._running.pop((attempt.rollout_id, attempt.attempt_id), None) is not None
                 if still_ours:  # else the supervisor ended it (timed out) and retired this worker
-                    self.store.finish(attempt.rollout_id, attempt.attempt_id, status, reward, error)
-        except Exception:  # a store failure: the lease runs out and the rollout is requeued elsewhere
-            log.exception("runner worker %s stopped", worker.name)
+                    self._finish(attempt.rollout_id, attempt.attempt_id, status, reward, error)
         finally:
             if loop is not None:
                 loop.close()
+
+    def _finish(self, rollout_id: str, attempt_id: str, status: str, reward: float | None = None,
+                error: str | None = None) -> None:
+        try:
+            self.store.finish(rollout_id, attempt_id, status, reward, error)
+        except Exception:  # noqa: BLE001 - the lease runs out and the store requeues the rollout elsewhere
+            log.exception("cannot record the end (%s) of attempt %s of rollout %s", status, attempt_id, rollout_id)
 
     def _run_agent(self, attempt: Attempt, running: _Running,
                    loop: asyncio.AbstractEventLoop | None) -> tuple[str, float | None, str | None]:
@@ -150,38 +192,17 @@ class LocalRunner:
 
     # ------------------------------------------------------------ supervision
 
-    def run(self, tasks: list[Task], samples: int = 1, metadata: dict[str, Any] | None = None,
-            progress: bool = False, id_prefix: str = "rollout") -> RunResult:
-        """Run ``samples`` rollouts of each task; return them all once each has ended (in any status).
-
-        ``metadata`` is stored with every rollout (the agent name, the task id
-        and the sample index are added).
-        Never waits past every attempt's timeout: a rollout that cannot end
-        by itself is ended by the supervisor.
-        """
-        metadata = {"agent_name": self.agent_name, **(metadata or {})}
-        new = [NewRollout(f"{id_prefix}-{uuid.uuid4().hex[:12]}", task, sample, self.max_attempts,
-                          {**metadata, "task_id": task.id, "sample_index": sample})
-               for task in tasks for sample in range(samples)]
-        ids = [r.rollout_id for r in new]
-        self.store.enqueue(new)
-        bar = tqdm(total=len(ids), desc="rollouts", disable=not progress, leave=False, dynamic_ncols=True)
+    def _supervise(self) -> None:
+        """Until :meth:`stop`: end overdue attempts at once, renew the leases of the others every ``lease_s / 3``."""
         next_heartbeat = time.monotonic() + self.lease_s / 3
-        try:
-            while True:
-                done = self.store.wait(ids, timeout_s=min(0.1, self.lease_s / 3))
-                bar.update(len(done) - bar.n)
-                if len(done) == len(ids):
-                    break
+        while not self._stopped.wait(min(SUPERVISE_POLL_S, self.lease_s / 3)):
+            try:
                 self._end_overdue()
                 if time.monotonic() >= next_heartbeat:
                     self._heartbeat()
                     next_heartbeat = time.monotonic() + self.lease_s / 3
-        finally:
-            bar.close()
-        rollouts = self.store.get_rollouts(ids)
-        self.store.release(ids)
-        return RunResult(rollouts, rollout_metrics(rollouts))
+            except Exception:  # noqa: BLE001 - a store that fails now may answer at the next round
+                log.exception("the runner's supervisor cannot reach the store")
 
     def _end_overdue(self) -> None:
         now = time.monotonic()
@@ -190,8 +211,8 @@ class LocalRunner:
             for key, _ in overdue:
                 del self._running[key]
         for (rollout_id, attempt_id), running in overdue:
-            self.store.finish(rollout_id, attempt_id, TIMED_OUT,
-                              error=f"the agent did not finish within rollout.timeout_s={self.timeout_s:g}")
+            self._finish(rollout_id, attempt_id, TIMED_OUT,
+                         error=f"the agent did not finish within {self.timeout_setting}={self.timeout_s:g}")
             running.worker.retired = True
             if running.cancel is not None:
                 running.cancel()
@@ -204,6 +225,50 @@ class LocalRunner:
             keys = list(self._running)
         for rollout_id, attempt_id in keys:
             self.store.heartbeat(rollout_id, attempt_id, self.lease_s)
+
+    # ------------------------------------------------------------ one step
+
+    def run(self, tasks: list[Task], samples: int = 1, metadata: dict[str, Any] | None = None,
+            progress: bool = False, id_prefix: str = "rollout") -> RunResult:
+        """:func:`collect` of the tasks on this runner's store, with its agent's name and ``max_attempts``.
+
+        Never waits past every attempt's timeout: a rollout that cannot end
+        by itself is ended by the supervisor.
+        """
+        return collect(self.store, tasks, samples, metadata={"agent_name": self.agent_name, **(metadata or {})},
+                       id_prefix=id_prefix, max_attempts=self.max_attempts, progress=progress)
+
+
+def collect(store: Store, tasks: list[Task], samples: int = 1, *, metadata: dict[str, Any] | None = None,
+            id_prefix: str = "rollout", max_attempts: int = 2, progress: bool = False,
+            poll_s: float = 1.0) -> RunResult:
+    """Queue ``samples`` rollouts of each task in ``store``; return them all once each has ended (in any status).
+
+    Whoever leases from ``store`` runs them: this process's workers or
+    runners anywhere. ``metadata`` is stored with every rollout (the task id
+    and the sample index are added). Every ``poll_s`` the store requeues the
+    attempts whose lease ran out, so the rollouts of a lost runner go to
+    another (or fail, when out of attempts) even if no runner is asking for
+    work. The rollouts are released from the store once read.
+    """
+    new = [NewRollout(f"{id_prefix}-{uuid.uuid4().hex[:12]}", task, sample, max_attempts,
+                      {**(metadata or {}), "task_id": task.id, "sample_index": sample})
+           for task in tasks for sample in range(samples)]
+    ids = [r.rollout_id for r in new]
+    store.enqueue(new)
+    bar = tqdm(total=len(ids), desc="rollouts", disable=not progress, leave=False, dynamic_ncols=True)
+    try:
+        while True:
+            done = store.wait(ids, timeout_s=poll_s)
+            bar.update(len(done) - bar.n)
+            if len(done) == len(ids):
+                break
+            store.requeue_expired()
+    finally:
+        bar.close()
+    rollouts = store.get_rollouts(ids)
+    store.release(ids)
+    return RunResult(rollouts, rollout_metrics(rollouts))
 
 
 def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
