@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from agl_plugin_sqlite import SqliteStore
+from agl_plugin_sqlite.store import SCHEMA
 
 from agl_core.components import Components
 from agl_core.context import TrainContext
@@ -109,6 +110,69 @@ def test_two_processes_dequeue_each_rollout_exactly_once(tmp_path):
     store.close()
 
 
+def test_a_span_written_again_is_kept_once(tmp_path):
+    store = SqliteStore(tmp_path / "r.sqlite")
+    store.enqueue([NewRollout("a", Task(id="t", input={}))])
+    attempt = store.dequeue("w", 30)
+    first = Span(rollout_id="a", attempt_id=attempt.attempt_id, sequence_id=0, kind="reward", reward=1.0)
+    store.add_spans([first])
+    store.flush()
+    store.add_spans([first, first.model_copy(update={"sequence_id": 1})])  # an upload retried with one more
+    (rollout,) = store.get_rollouts(["a"])
+    assert [(s.sequence_id, s.reward) for s in rollout.spans] == [(0, 1.0), (1, 1.0)]
+    store.close()
+
+
+def test_a_file_of_the_old_layout_opens_with_its_duplicate_spans_dropped(tmp_path):
+    path = tmp_path / "old.sqlite"
+    with contextlib.closing(sqlite3.connect(path)) as conn:  # the layout before spans were unique
+        conn.executescript(SCHEMA.split("CREATE UNIQUE INDEX")[0] + "CREATE INDEX spans_by_rollout ON spans "
+                           "(rollout_id, attempt_id, sequence_id);")
+        conn.execute("INSERT INTO rollouts (rollout_id, task, sample_index, metadata, status, priority, "
+                     "max_attempts) VALUES ('a', ?, 0, '{}', 'queuing', 1, 1)",
+                     (Task(id="t", input={}).model_dump_json(),))
+        span = Span(rollout_id="a", attempt_id="0", sequence_id=0, kind="annotation")
+        conn.executemany("INSERT INTO spans VALUES ('a', '0', 0, 'annotation', ?)", [(span.model_dump_json(),)] * 2)
+        conn.commit()
+    store = SqliteStore(path)
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM spans").fetchone()[0] == 1
+        indexes = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+    assert "spans_once" in indexes and "spans_by_rollout" not in indexes
+    store.add_spans([span])
+    store.flush()
+    assert store.next_sequence_id("a") == 1
+    store.close()
+
+
+def test_next_sequence_id_of_a_rollout_not_held_is_a_key_error(tmp_path):
+    store = SqliteStore(tmp_path / "r.sqlite")
+    with pytest.raises(KeyError, match="'nope' is not in the store"):
+        store.next_sequence_id("nope")
+    store.enqueue([NewRollout("a", Task(id="t", input={}))])
+    assert store.next_sequence_id("a") == 0
+    store.release(["a"])
+    with pytest.raises(KeyError, match="'a' is not in the store .* \\(it was released\\)"):
+        store.next_sequence_id("a")
+    store.close()
+
+
+def test_reserved_sequence_ids_are_never_handed_out_again_after_a_restart(tmp_path):
+    path = tmp_path / "r.sqlite"
+    store = SqliteStore(path, reserve_sequence_ids=4)
+    store.enqueue([NewRollout("a", Task(id="t", input={})), NewRollout("b", Task(id="t", input={}))])
+    handed = [store.next_sequence_id("a") for _ in range(6)]  # two blocks reserved; no span written yet
+    assert handed == list(range(6)) and store.next_sequence_id("b") == 0
+    store.close()  # as good as a kill: the reservations were committed when made
+
+    reopened = SqliteStore(path, reserve_sequence_ids=4)
+    assert reopened.next_sequence_id("a") == 8 and reopened.next_sequence_id("b") == 4
+    reopened.release(["a"])
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("SELECT rollout_id FROM sequence_reserved").fetchall() == [("b",)]
+    reopened.close()
+
+
 def test_the_plugin_puts_the_store_in_the_run_directory(make_recipe, tmp_path):
     recipe, plugins = make_recipe(["rollout.store=sqlite", "plugins.sqlite.batch_size=8"], flags=["sqlite"])
     components = Components.collect(plugins)
@@ -179,7 +243,7 @@ def test_a_damaged_page_that_sqlite_opens_is_found_by_the_quick_check(tmp_path):
     path = a_store_file(tmp_path / "rollouts.sqlite")
     with contextlib.closing(sqlite3.connect(path)) as conn:
         page_size = conn.execute("PRAGMA page_size").fetchone()[0]
-        root = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'spans_by_rollout'").fetchone()[0]
+        root = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'spans_once'").fetchone()[0]
     data = bytearray(path.read_bytes())
     start = (root - 1) * page_size
     data[start:start + page_size] = b"\xff" * page_size  # the index's root page: header and schema still read

@@ -8,7 +8,17 @@ carries hundreds of spans, and when idle a span is committed at once. With
 kill -9 of any process (a power cut may lose the last few).
 
 Span sequence ids are counted in the process that writes a rollout's spans
-(seeded from the file), which is the process running the rollout's gateway.
+(seeded from the file), which is the process running the rollout's gateway
+(or the store service, for its clients). With ``reserve_sequence_ids`` the
+file also records how far ahead ids were handed out, so that a restarted
+process never hands out an id again: the store service needs it, because its
+clients may still hold spans under ids it gave before it was killed.
+
+A span is written once: (rollout, attempt, sequence id) is unique in the
+file and a span whose key is already there is ignored, so that an upload
+retried after it was written (a client of the store service that lost the
+answer) duplicates nothing. Files made before that index get it when opened
+(their duplicate spans, if any, are dropped first, keeping the first written).
 
 Opening a store checks its file before anything runs (:meth:`SqliteStore.__init__`):
 a file that is not an SQLite database, a damaged or truncated one, tables of
@@ -58,7 +68,11 @@ CREATE TABLE IF NOT EXISTS spans (
     kind        TEXT NOT NULL,
     span        TEXT NOT NULL                 -- the Span as JSON
 );
-CREATE INDEX IF NOT EXISTS spans_by_rollout ON spans (rollout_id, attempt_id, sequence_id);
+CREATE UNIQUE INDEX IF NOT EXISTS spans_once ON spans (rollout_id, attempt_id, sequence_id);
+CREATE TABLE IF NOT EXISTS sequence_reserved (
+    rollout_id  TEXT PRIMARY KEY,
+    reserved    INTEGER NOT NULL              -- ids below this may have been handed out
+);
 """
 
 _COLUMNS = ("rollout_id, task, sample_index, metadata, status, attempts, final_reward, error, "
@@ -85,19 +99,25 @@ class SqliteStore:
     the spans waiting for the writer (``add_spans`` blocks beyond it, so
     memory stays bounded when the disk falls behind). ``keep_consumed``
     keeps released rollouts in the file (marked consumed) as the run's record;
-    otherwise they are deleted.
+    otherwise they are deleted. ``reserve_sequence_ids`` > 0 records in the
+    file, that many ids at a time, how far each rollout's sequence ids were
+    handed out (one small commit per block), and a process that opens the
+    file later counts on from there: no id is handed out twice, at the cost
+    of a gap after a restart.
     """
 
     def __init__(self, path: str | Path, batch_size: int = 512, max_pending: int = 20_000,
-                 keep_consumed: bool = True, busy_timeout_s: float = 30.0):
+                 keep_consumed: bool = True, busy_timeout_s: float = 30.0, reserve_sequence_ids: int = 0):
         self.path = Path(path)
         self.batch_size, self.keep_consumed = batch_size, keep_consumed
+        self.reserve_sequence_ids = reserve_sequence_ids
         self._busy_timeout_ms = int(busy_timeout_s * 1000)
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._connections_lock = threading.Lock()
         self._changed = threading.Condition()  # wakes waiters of this process at once
         self._sequence: dict[str, int] = {}
+        self._reserved: dict[str, int] = {}
         self._sequence_lock = threading.Lock()
         self._closed = False
         try:
@@ -121,6 +141,7 @@ class SqliteStore:
         if self.path.exists() and self.path.stat().st_size > 0:  # SQLite takes an empty file for a new database
             _check_file(self.path)
         conn = self._connection()
+        _drop_duplicate_spans(conn)
         conn.executescript(SCHEMA)
         # The write lock, taken and let go: a file or directory this process may not write fails here.
         conn.execute("BEGIN IMMEDIATE")
@@ -272,13 +293,30 @@ class SqliteStore:
     # ------------------------------------------------------------ spans
 
     def next_sequence_id(self, rollout_id: str) -> int:
+        """The next id; KeyError for a rollout the file does not hold or that was released."""
         with self._sequence_lock:
             if rollout_id not in self._sequence:
-                row = self._connection().execute("SELECT MAX(sequence_id) FROM spans WHERE rollout_id = ?",
-                                                 (rollout_id,)).fetchone()
-                self._sequence[rollout_id] = -1 if row[0] is None else row[0]
+                self._sequence[rollout_id] = self._first_sequence_id(rollout_id) - 1
             self._sequence[rollout_id] += 1
-            return self._sequence[rollout_id]
+            sequence_id = self._sequence[rollout_id]
+            if self.reserve_sequence_ids and sequence_id >= self._reserved.get(rollout_id, 0):
+                self._reserved[rollout_id] = sequence_id + self.reserve_sequence_ids
+                with self._transaction() as conn:
+                    conn.execute("INSERT OR REPLACE INTO sequence_reserved (rollout_id, reserved) VALUES (?, ?)",
+                                 (rollout_id, self._reserved[rollout_id]))
+            return sequence_id
+
+    def _first_sequence_id(self, rollout_id: str) -> int:
+        """Where this process counts a rollout's ids from: past its spans and past what was reserved."""
+        conn = self._connection()
+        row = conn.execute("SELECT consumed FROM rollouts WHERE rollout_id = ?", (rollout_id,)).fetchone()
+        if row is None or row[0]:
+            raise KeyError(f"rollout {rollout_id!r} is not in the store {self.path}"
+                           + (" (it was released)" if row else ""))
+        written = conn.execute("SELECT MAX(sequence_id) FROM spans WHERE rollout_id = ?", (rollout_id,)).fetchone()[0]
+        reserved = conn.execute("SELECT reserved FROM sequence_reserved WHERE rollout_id = ?",
+                                (rollout_id,)).fetchone()
+        return max(-1 if written is None else written + 1, reserved[0] if reserved else 0)
 
     def add_spans(self, spans: Sequence[Span]) -> None:
         self._writer.put(spans)
@@ -336,9 +374,12 @@ class SqliteStore:
             else:
                 conn.executemany("DELETE FROM spans WHERE rollout_id = ?", ids)
                 conn.executemany("DELETE FROM rollouts WHERE rollout_id = ?", ids)
+            if self.reserve_sequence_ids:  # a released rollout gets no more ids
+                conn.executemany("DELETE FROM sequence_reserved WHERE rollout_id = ?", ids)
         with self._sequence_lock:
             for rollout_id in rollout_ids:
                 self._sequence.pop(rollout_id, None)
+                self._reserved.pop(rollout_id, None)
 
     def close(self) -> None:
         if self._closed:
@@ -348,6 +389,7 @@ class SqliteStore:
         finally:
             self._close_connections()
             self._sequence.clear()
+            self._reserved.clear()
 
     def _close_connections(self) -> None:
         self._closed = True
@@ -370,6 +412,16 @@ class SqliteStore:
         with self._changed:
             self._changed.wait(min(left, POLL_S))
         return True
+
+
+def _drop_duplicate_spans(conn: sqlite3.Connection) -> None:
+    """Ready a file made before spans were unique for its unique index: keep the first of each key."""
+    tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
+    if "spans" in tables and "spans_once" not in tables:
+        with _Immediate(conn):
+            conn.execute("DELETE FROM spans WHERE rowid NOT IN "
+                         "(SELECT MIN(rowid) FROM spans GROUP BY rollout_id, attempt_id, sequence_id)")
+            conn.execute("DROP INDEX IF EXISTS spans_by_rollout")  # the unique index replaces it
 
 
 def _check_file(path: Path) -> None:
@@ -477,8 +529,8 @@ class _SpanWriter(threading.Thread):
             try:
                 if spans and self.error is None:
                     with _Immediate(self.conn) as conn:
-                        conn.executemany("INSERT INTO spans (rollout_id, attempt_id, sequence_id, kind, span) "
-                                         "VALUES (?, ?, ?, ?, ?)",
+                        conn.executemany("INSERT OR IGNORE INTO spans (rollout_id, attempt_id, sequence_id, kind, "
+                                         "span) VALUES (?, ?, ?, ?, ?)",
                                          [(s.rollout_id, s.attempt_id, s.sequence_id, s.kind, s.model_dump_json())
                                           for s in spans])
             except BaseException as exc:  # surfaced by every later put/flush instead of a silent loss
