@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     runner.add_argument("--lease-s", type=float, default=30.0, help="lease of a running attempt (rollout.lease_s)")
     runner.add_argument("--connect-timeout-s", type=float, default=60.0,
                         help="how long to keep retrying a store or gateway that does not answer before exiting")
+    runner.add_argument("--drain-s", type=float, default=30.0,
+                        help="on SIGINT/SIGTERM, time the running attempts get to end (the rest are requeued)")
     runner.set_defaults(run=cmd_runner)
 
     plot = sub.add_parser("plot", help="draw a run's curves (reward, KL, entropy, ...) into a PNG")

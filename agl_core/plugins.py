@@ -2,9 +2,11 @@
 
 Plugins are found through the entry-point group ``agl_core.plugins``; the
 built-ins are entry points of the ``agl-core`` distribution itself. A
-built-in is active unless disabled; a third-party plugin is active when the
-recipe (or ``-p NAME``) enables it. A plugin that fails to import or to
-validate is recorded with the reason and is fatal only when it was enabled.
+built-in is active unless disabled; a third-party plugin, and a built-in whose
+module sets ``AGL_OPT_IN = True`` (an alternative to a default, such as
+``remote_runners``), is active when the recipe (or ``-p NAME``) enables it.
+A plugin that fails to import or to validate is recorded with the reason and
+is fatal only when it was enabled.
 ``AGL_DISABLE_PLUGIN_AUTOLOAD=1`` stops the import of third-party plugins that
 were not asked for, as pytest's variable of that name does.
 """
@@ -54,6 +56,11 @@ class Plugin:
     @property
     def builtin(self) -> bool:
         return self.distribution == BUILTIN_DISTRIBUTION
+
+    @property
+    def opt_in(self) -> bool:
+        """Active only when enabled: a third-party plugin, or a built-in whose module sets ``AGL_OPT_IN = True``."""
+        return not self.builtin or getattr(self.obj, "AGL_OPT_IN", False)
 
     @property
     def label(self) -> str:
@@ -185,7 +192,7 @@ class PluginSet:
             except Exception as exc:  # a broken plugin must never break the CLI
                 plugin.status, plugin.reason = "failed", f"import failed: {type(exc).__name__}: {exc}"
                 continue
-            cls._admit(plugin, manager, active=wanted)
+            cls._admit(plugin, manager, active=plugin.name in enable or not plugin.opt_in)
         for name, obj in extra:
             plugin = Plugin(name, None, None, obj=obj)
             plugins.append(plugin)
@@ -234,8 +241,9 @@ class PluginSet:
         """(plugin name, function) of the one implementation that fills slot ``hook``.
 
         ``choice`` is the recipe's ``plugins.slots.<hook>``. Without a choice,
-        a single third-party candidate wins over built-in ones. An empty slot
-        is an error when ``required``, else None.
+        a single candidate the recipe enabled (third-party or opt-in built-in)
+        wins over the default built-ins. An empty slot is an error when
+        ``required``, else None.
         """
         assert HOOK_KINDS[hook] == SLOT, f"{hook} is not a slot"
         candidates = dict(self.implementations(hook))
@@ -246,8 +254,8 @@ class PluginSet:
                     f"candidates: {', '.join(candidates) or 'none'}"
                 )
             return choice, candidates[choice]
-        third_party = [n for n in candidates if not self.plugins[n].builtin]
-        pool = third_party or list(candidates)
+        enabled = [n for n in candidates if self.plugins[n].opt_in]
+        pool = enabled or list(candidates)
         if len(pool) == 1:
             return pool[0], candidates[pool[0]]
         if not pool:

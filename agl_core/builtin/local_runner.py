@@ -57,11 +57,8 @@ def start_runtime(ctx) -> LocalRuntime:
     store = ctx.components.get("store", cfg.store).obj(ctx)
     # Rollouts left unfinished in a persistent store by an earlier process have no one waiting for them.
     store.cancel(None, "abandoned: the trainer that queued it stopped")
-    sampling = cfg.sampling.model_dump()
-    if sampling["max_tokens"] is None:
-        sampling["max_tokens"] = ctx.config.data.max_response_length
     try:
-        gateway = Gateway(store, cfg.gateway, sampling, seed=ctx.config.trainer.seed if cfg.seed_calls else None)
+        gateway = Gateway(store, cfg.gateway, gateway_sampling(ctx), seed=gateway_seed(ctx))
         server = gateway.serve()
     except BaseException:
         store.close()
@@ -89,18 +86,9 @@ def on_train_start(ctx):
 @hookimpl
 def collect_rollouts(ctx, tasks, mode):
     rt = runtime(ctx)
-    urls = ctx.call("policy_endpoints")
-    if not urls:
-        owner = ctx.slots["policy_endpoints"][0]
-        raise PluginError(f"the policy_endpoints slot (plugin {owner!r}) returned no server URL: "
-                          "the agents would have no model to call")
-    rt.gateway.upstreams.set(urls)
-    # The weights of step s's rollouts have had s - 1 updates; validation after step s sees s. Spans
-    # record the version the policy server reports instead when it reports one.
-    rt.gateway.weight_version = ctx.step - 1 if mode == "train" else ctx.step
-    samples = ctx.config.rollout.n if mode == "train" else 1
-    result = rt.runner.run(tasks, samples, metadata={"mode": mode, "step": ctx.step},
-                           progress=ctx.config.trainer.progress, id_prefix=f"{mode}-{ctx.step}")
+    rt.gateway.upstreams.set(policy_urls(ctx))
+    rt.gateway.weight_version = weight_version(ctx, mode)
+    result = rt.runner.run(tasks, **collect_options(ctx, mode))
     if mode == "train":
         ctx.step_metrics.update(result.metrics)
     return result.rollouts
@@ -111,3 +99,42 @@ def on_train_end(ctx):
     rt = ctx.state.pop(NAME, None)
     if rt is not None:
         rt.close()
+
+
+# ------------------------------------------------------------ what a step asks of whichever gateway and runners
+
+
+def policy_urls(ctx) -> list[str]:
+    """The policy servers' URLs from the ``policy_endpoints`` slot; PluginError when it has none."""
+    urls = ctx.call("policy_endpoints")
+    if not urls:
+        owner = ctx.slots["policy_endpoints"][0]
+        raise PluginError(f"the policy_endpoints slot (plugin {owner!r}) returned no server URL: "
+                          "the agents would have no model to call")
+    return urls
+
+
+def weight_version(ctx, mode: str) -> int:
+    """The weight version a step's spans record (unless the policy server reports its own)."""
+    # The weights of step s's rollouts have had s - 1 updates; validation after step s sees s.
+    return ctx.step - 1 if mode == "train" else ctx.step
+
+
+def collect_options(ctx, mode: str) -> dict:
+    """The step's arguments of :func:`agl_core.runner.collect`: ``rollout.n`` samples per task in training
+    (1 in validation), the metadata call seeds derive from, rollout ids naming the step."""
+    return {"samples": ctx.config.rollout.n if mode == "train" else 1, "metadata": {"mode": mode, "step": ctx.step},
+            "id_prefix": f"{mode}-{ctx.step}", "progress": ctx.config.trainer.progress}
+
+
+def gateway_sampling(ctx) -> dict:
+    """``rollout.sampling`` for the gateway; ``max_tokens`` defaults to ``data.max_response_length``."""
+    sampling = ctx.config.rollout.sampling.model_dump()
+    if sampling["max_tokens"] is None:
+        sampling["max_tokens"] = ctx.config.data.max_response_length
+    return sampling
+
+
+def gateway_seed(ctx) -> int | None:
+    """The run seed the gateway derives call seeds from (``rollout.seed_calls``), else None."""
+    return ctx.config.trainer.seed if ctx.config.rollout.seed_calls else None

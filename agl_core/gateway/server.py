@@ -7,6 +7,12 @@ pinned to the rollout with token ids and log-probs asked for, writes one
 ``llm_call`` span per choice to the store, and returns the server's answer
 unchanged. A request refused with a 4xx writes nothing.
 
+Whoever runs the policy sets, each step, the servers to forward to, the
+weight version of the spans, default sampling and the seed of the run: as
+attributes in the trainer's process, or with ``PUT /v1/admin/policy`` (the
+gateway's token required) on a gateway served alone
+(:mod:`agl_core.gateway.service`).
+
 It keeps the rules of every server of the project (:mod:`agl_core.http_rules`):
 a token off loopback, bounded bodies, sampling parameters checked at the door
 (``n`` at most ``max_n``), a 400 naming the field for anything else. The
@@ -28,21 +34,23 @@ from typing import Any
 import aiohttp
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agl_core.config import GatewayConfig
 from agl_core.data import Span
 from agl_core.gateway.capture import CHAT, COMPLETIONS, Captured, ask_for_tokens, capture, without_token_fields
 from agl_core.gateway.upstream import Forwarded, Upstreams, post_with_retries
-from agl_core.http_rules import (RequestError, check_bearer, check_sampling, error_response, health_response,
-                                 parse_json_object, policy_token, read_body, require_token_off_loopback)
+from agl_core.http_rules import (INT64_MAX, RequestError, check_bearer, check_sampling, error_response,
+                                 health_response, integer, parse_json_object, policy_token, read_body,
+                                 require_token_off_loopback)
 from agl_core.http_server import ServerThread
 from agl_core.store import AttemptState, Store
 
 TOKEN_ENV = "AGL_GATEWAY_TOKEN"
 log = logging.getLogger("agl_core.gateway")
 PREFIX = "/rollout/{rollout_id}/attempt/{attempt_id}/v1"
+ADMIN_POLICY = "/v1/admin/policy"
 
 
 class Gateway:
@@ -74,6 +82,7 @@ class Gateway:
         self.app = Starlette(
             routes=[Route(f"{PREFIX}/chat/completions", self._chat, methods=["POST"]),
                     Route(f"{PREFIX}/completions", self._completions, methods=["POST"]),
+                    Route(ADMIN_POLICY, self._set_policy, methods=["PUT"]),
                     Route("/healthz", self._health, methods=["GET"])],
             lifespan=self._lifespan)
 
@@ -107,6 +116,26 @@ class Gateway:
 
     async def _health(self, request: Request) -> Response:
         return health_response(request, self.token, {"upstreams": list(self.upstreams.urls)})
+
+    async def _set_policy(self, request: Request) -> Response:
+        """Set what the body names of ``urls``, ``weight_version``, ``sampling``, ``seed``; answer the policy now."""
+        try:
+            check_bearer(request, self.token)
+            body = parse_json_object(await read_body(request, self.config.max_body_bytes,
+                                                     "rollout.gateway.max_body_bytes", self.config.body_timeout_s))
+            policy = parse_policy(body, self.config.max_n)
+        except RequestError as exc:
+            return error_response(exc.status, str(exc))
+        if "urls" in policy:
+            self.upstreams.set(policy["urls"])
+        if "weight_version" in policy:
+            self.weight_version = policy["weight_version"]
+        if "sampling" in policy:
+            self.sampling = {k: v for k, v in policy["sampling"].items() if v is not None}
+        if "seed" in policy:
+            self.seed = policy["seed"]
+        return JSONResponse({"urls": list(self.upstreams.urls), "weight_version": self.weight_version,
+                             "sampling": self.sampling, "seed": self.seed})
 
     async def _handle(self, request: Request, endpoint: str) -> Response:
         rollout_id, attempt_id = request.path_params["rollout_id"], request.path_params["attempt_id"]
@@ -192,6 +221,34 @@ class Gateway:
                 continue
             out.setdefault(key, value)
         return out
+
+
+def parse_policy(body: dict[str, Any], max_n: int) -> dict[str, Any]:
+    """The fields of a ``PUT /v1/admin/policy`` body, checked; RequestError 400 naming the first bad one.
+
+    ``urls``: the policy servers' base URLs (``http(s)://…/v1``);
+    ``weight_version`` and ``seed``: an int >= 0 or null; ``sampling``: an
+    object of sampling parameters (null values are dropped). Absent fields
+    leave the gateway's setting as it is.
+    """
+    unknown = sorted(set(body) - {"urls", "weight_version", "sampling", "seed"})
+    if unknown:
+        raise RequestError(400, f"unknown field(s) {', '.join(map(repr, unknown))}; "
+                                f"allowed: 'urls', 'weight_version', 'sampling', 'seed'")
+    if "urls" in body:
+        if not isinstance(body["urls"], list):
+            raise RequestError(400, f"'urls' must be a list of URLs, got {type(body['urls']).__name__}")
+        for index, url in enumerate(body["urls"]):
+            if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+                raise RequestError(400, f"'urls'[{index}] must be an http:// or https:// URL, got {url!r:.80}")
+    for key in ("weight_version", "seed"):
+        if body.get(key) is not None:
+            integer(key, body[key], low=0, high=INT64_MAX)
+    if "sampling" in body:
+        if not isinstance(body["sampling"], dict):
+            raise RequestError(400, f"'sampling' must be an object, got {type(body['sampling']).__name__}")
+        check_sampling(body["sampling"], max_n=max_n)
+    return body
 
 
 def call_seed(run_seed: int, metadata: dict[str, Any], rollout_id: str, attempt_id: str, sequence_id: int) -> int:
