@@ -1,4 +1,5 @@
-"""The Store protocol, checked on both stores: memory (built-in) and sqlite (agl-plugin-sqlite, a real file)."""
+"""The Store protocol, checked on every store: memory (built-in), sqlite (agl-plugin-sqlite, a real file), and http
+(HttpStore, the client of the store service, served here over real HTTP on 127.0.0.1 from a real file)."""
 
 import threading
 import time
@@ -8,14 +9,28 @@ from agl_plugin_sqlite import SqliteStore
 
 from agl_core.builtin.memory_store import MemoryStore
 from agl_core.data import Span, Task
+from agl_core.http_server import ServerThread
 from agl_core.store import NewRollout, Store
+from agl_core.store_client import HttpStore
+from agl_core.store_server import RESERVE_SEQUENCE_IDS, StoreService
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(params=["memory", "sqlite", "http"])
 def store(request, tmp_path):
-    s = MemoryStore() if request.param == "memory" else SqliteStore(tmp_path / "rollouts.sqlite")
-    yield s
-    s.close()
+    if request.param != "http":
+        s = MemoryStore() if request.param == "memory" else SqliteStore(tmp_path / "rollouts.sqlite")
+        yield s
+        s.close()
+        return
+    backing = SqliteStore(tmp_path / "rollouts.sqlite", reserve_sequence_ids=RESERVE_SEQUENCE_IDS)
+    service = StoreService(backing)
+    with ServerThread(service.app) as server:
+        client = HttpStore(server.url, connect_timeout_s=10)
+        client.backing = backing  # for the tests that look behind the wire
+        yield client
+        client.close()
+    service.close()
+    backing.close()
 
 
 def new(rollout_id, max_attempts=1, **metadata):
@@ -138,8 +153,8 @@ def test_release_forgets_consumed_rollouts(store):
     assert store.query() == []
     if isinstance(store, MemoryStore):
         assert store.get_rollouts(["a"]) == [] and store._entries == {}
-    else:  # nothing in memory; the file keeps the record (keep_consumed)
-        assert store._sequence == {} and store.get_rollouts(["a"])[0].status == "succeeded"
+    else:  # nothing in memory (the service's, behind http); the file keeps the record (keep_consumed)
+        assert getattr(store, "backing", store)._sequence == {} and store.get_rollouts(["a"])[0].status == "succeeded"
 
 
 def test_many_threads_dequeue_each_rollout_once(store):

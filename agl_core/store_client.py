@@ -1,0 +1,358 @@
+"""``HttpStore``: the :class:`~agl_core.store.Store` protocol, spoken to a store service over HTTP.
+
+The service is ``agl serve store`` (:mod:`agl_core.store_server`, which
+documents the wire format). Any trainer, runner, gateway or script uses it
+by URL: ``HttpStore("http://10.0.0.5:8765", token=...)``, or the recipe's
+``rollout.store: http`` with ``plugins.http_store.url`` (built-in plugin
+:mod:`agl_core.builtin.http_store`).
+
+- **Connections.** Each thread keeps one keep-alive connection (stdlib
+  ``http.client``: the least work per call; a thread never waits for
+  another's call). Every request is a small JSON POST.
+- **Retries.** A connection error, a timeout or a 502/503/504 is retried, at
+  once the first time (a keep-alive connection the service closed), then with
+  exponential backoff, for up to ``connect_timeout_s`` after the first
+  failure; then a ConnectionError names the URL, the method and the last
+  error. Other errors are not retried: 404 for a rollout the store does not
+  hold is a KeyError (the protocol's, which the gateway relies on), 400 a
+  ValueError with the service's message, 401 a PermissionError.
+- **Spans.** ``add_spans`` queues the spans (bounded: it blocks when
+  ``max_pending`` wait) and returns; a background thread uploads them in
+  batches and retries a batch until the service acknowledges it, which it
+  does once they are in its SQLite file. ``flush()`` returns once every span
+  added before it is acknowledged; ``finish``, ``get_rollouts`` and
+  ``release`` flush first, so a rollout never ends before the spans its
+  finisher added are durable and a process reads what it wrote. An upload
+  that fails for good (the service gone past ``connect_timeout_s``, or a 4xx)
+  is kept as the first error: queued spans are dropped and every later
+  ``add_spans``/``flush`` raises it.
+- **Calls repeated by a retry.** A request may reach the service and its
+  answer be lost (the service killed after it applied it), so a retry may
+  repeat it. Sequence ids make span uploads idempotent (the service keeps
+  one span per rollout, attempt and sequence id). ``enqueue`` retried after
+  it was applied is no error when the service holds exactly those rollouts;
+  ``finish`` retried after it was applied returns True when the rollout
+  ended with this attempt, status, reward and error. A repeated
+  ``next_sequence_id`` skips an id (ids stay unique and ordered); a lost
+  ``dequeue`` answer leaves an attempt nobody runs, which expires with its
+  lease like any lost worker's; the counts of a repeated ``cancel`` or
+  ``requeue_expired`` leave out what the first try did.
+- **Long polls.** ``dequeue(wait_s=...)`` and ``wait(timeout_s=...)`` are
+  sent as a series of requests that the service bounds (a few seconds
+  each), until the caller's deadline.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import queue
+import threading
+import time
+import urllib.parse
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from agl_core.data import Rollout, Span, Task
+from agl_core.store import Attempt, AttemptState, NewRollout
+
+TOKEN_ENV = "AGL_STORE_TOKEN"
+UNKNOWN_ROLLOUT = "unknown_rollout"
+"""The error ``type`` of a 404 that is the protocol's KeyError (any other 404 is a wrong URL)."""
+REQUEST_TIMEOUT_S = 60.0
+"""How long one request may take beyond the long poll it asks for before it is given up and retried
+(the service's SQLite waits up to 30 s for a lock another process holds)."""
+CONNECT_TIMEOUT_S = 10.0
+FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.05, 2.0
+RETRIED_STATUSES = frozenset({502, 503, 504})
+
+
+class Rollouts(BaseModel):
+    """The answer of ``get_rollouts`` and ``query`` on the wire."""
+
+    model_config = ConfigDict(extra="forbid")
+    rollouts: list[Rollout]
+
+
+class HttpStore:
+    """The store served at ``url`` (``http://host:port``, as ``agl serve store`` prints it).
+
+    ``token`` (default ``$AGL_STORE_TOKEN``) is sent as the bearer token.
+    ``connect_timeout_s`` bounds how long a call keeps retrying a service
+    that does not answer. Span uploads carry up to ``batch_size`` spans and
+    about ``batch_bytes`` of JSON each; ``max_pending`` spans may wait for
+    upload before ``add_spans`` blocks. See the module docstring for retries
+    and what a retried call means.
+    """
+
+    def __init__(self, url: str, token: str | None = None, *, connect_timeout_s: float = 60.0,
+                 batch_size: int = 256, batch_bytes: int = 4 * 2**20, max_pending: int = 20_000):
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") \
+                or parts.query or parts.fragment:
+            raise ValueError(f"the store service URL {url!r} must be http(s)://host:port, as agl serve store "
+                             f"prints it")
+        try:
+            port = parts.port
+        except ValueError as exc:
+            raise ValueError(f"the store service URL {url!r} has a bad port: {exc}") from None
+        self.url = url.rstrip("/")
+        self.connect_timeout_s = connect_timeout_s
+        token = token or os.environ.get(TOKEN_ENV) or None
+        self._headers = {"Content-Type": "application/json",
+                         **({"Authorization": f"Bearer {token}"} if token else {})}
+        connection = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        self._new_connection = lambda: connection(parts.hostname, port, timeout=min(CONNECT_TIMEOUT_S,
+                                                                                    connect_timeout_s))
+        self._local = threading.local()
+        self._connections: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()
+        self._connections_lock = threading.Lock()
+        self._uploader = _SpanUploader(self, batch_size, batch_bytes, max_pending)
+        self._uploader.start()
+
+    # ------------------------------------------------------------ the wire
+
+    def _exchange(self, method: str, body: dict[str, Any] | bytes, wait_s: float = 0.0) -> tuple[int, bytes, bool]:
+        """POST ``body`` to ``method``, retried as the module docstring says: (status, answer, whether retried)."""
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        path = f"/v1/store/{method}"
+        deadline, tries, backoff = None, 0, FIRST_BACKOFF_S
+        while True:
+            tries += 1
+            try:
+                status, raw = self._send(path, data, REQUEST_TIMEOUT_S + wait_s)
+                if status not in RETRIED_STATUSES:
+                    return status, raw, tries > 1
+                last = f"HTTP {status}: {_message(raw)}"
+            except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out, cut mid-answer
+                self._drop_connection()
+                last = f"{type(exc).__name__}: {exc}"
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.connect_timeout_s
+            if now >= deadline:
+                raise ConnectionError(f"the store service at {self.url} did not answer {method} for "
+                                      f"{self.connect_timeout_s:g} s ({tries} tries; last: {last})")
+            if tries > 1:  # the first retry goes at once: most often a keep-alive connection the service closed
+                time.sleep(min(backoff, deadline - now))
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    def _send(self, path: str, data: bytes, timeout_s: float) -> tuple[int, bytes]:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = self._new_connection()
+            with self._connections_lock:
+                self._connections.add(conn)
+        if conn.sock is None:
+            conn.connect()  # under the connect timeout; the answer may take longer
+        conn.sock.settimeout(timeout_s)
+        conn.request("POST", path, body=data, headers=self._headers)
+        response = conn.getresponse()
+        raw = response.read()
+        if response.will_close:
+            conn.close()
+        return response.status, raw
+
+    def _drop_connection(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()  # the next try connects afresh
+
+    def _call(self, method: str, body: dict[str, Any] | bytes, wait_s: float = 0.0) -> bytes:
+        """The service's answer to ``method``; its refusal as the exception the protocol promises."""
+        status, raw, _ = self._exchange(method, body, wait_s)
+        if status >= 300:
+            raise self._error(method, status, raw)
+        return raw
+
+    def _error(self, method: str, status: int, raw: bytes) -> Exception:
+        message, kind = _message(raw), None
+        try:
+            kind = json.loads(raw)["error"]["type"]
+        except (ValueError, KeyError, TypeError):
+            pass
+        if status == 404 and kind == UNKNOWN_ROLLOUT:
+            return KeyError(message)
+        where = f"the store service at {self.url} ({method})"
+        if status == 401:
+            return PermissionError(f"{where} refused the request: {message}; set the token (HttpStore(token=...), "
+                                   f"plugins.http_store.token or ${TOKEN_ENV})")
+        if 400 <= status < 500:
+            return ValueError(f"{where}: {message}")
+        return RuntimeError(f"{where} failed: HTTP {status}: {message}")
+
+    # ------------------------------------------------------------ queue and attempts
+
+    def enqueue(self, rollouts: Sequence[NewRollout]) -> None:
+        body = {"rollouts": [{"rollout_id": r.rollout_id, "task": r.task.model_dump(mode="json"),
+                              "sample_index": r.sample_index, "max_attempts": r.max_attempts,
+                              "metadata": r.metadata} for r in rollouts]}
+        status, raw, retried = self._exchange("enqueue", body)
+        if status >= 300 and not (retried and status == 400 and self._holds(rollouts)):
+            raise self._error("enqueue", status, raw)
+
+    def _holds(self, rollouts: Sequence[NewRollout]) -> bool:
+        """Whether the service holds exactly ``rollouts`` (an enqueue it applied before its answer was lost)."""
+        held = {r.rollout_id: r for r in self.get_rollouts([r.rollout_id for r in rollouts])}
+        return all((r.rollout_id in held and held[r.rollout_id].task_id == r.task.id
+                    and held[r.rollout_id].sample_index == r.sample_index
+                    and held[r.rollout_id].metadata == r.metadata) for r in rollouts)
+
+    def dequeue(self, worker_id: str, lease_s: float, wait_s: float = 0.0) -> Attempt | None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            answer = json.loads(self._call("dequeue", {"worker_id": worker_id, "lease_s": lease_s, "wait_s": left},
+                                           wait_s=left))["attempt"]
+            if answer is not None:
+                return Attempt(answer["rollout_id"], answer["attempt_id"], Task.model_validate(answer["task"]),
+                               answer["sample_index"], answer["metadata"])
+            if time.monotonic() >= deadline:
+                return None
+
+    def heartbeat(self, rollout_id: str, attempt_id: str, lease_s: float) -> bool:
+        body = {"rollout_id": rollout_id, "attempt_id": attempt_id, "lease_s": lease_s}
+        return json.loads(self._call("heartbeat", body))["ok"]
+
+    def finish(self, rollout_id: str, attempt_id: str, status: str,
+               final_reward: float | None = None, error: str | None = None) -> bool:
+        self.flush()  # the spans this process added are durable before the rollout is seen to end
+        body = {"rollout_id": rollout_id, "attempt_id": attempt_id, "status": status,
+                "final_reward": final_reward, "error": error}
+        code, raw, retried = self._exchange("finish", body)
+        if code >= 300:
+            raise self._error("finish", code, raw)
+        done = json.loads(raw)["ok"]
+        if not done and retried:  # maybe the first try ended it and its answer was lost
+            held = self.get_rollouts([rollout_id])
+            done = bool(held) and (held[0].attempt_id, held[0].status, held[0].final_reward, held[0].error) == \
+                (attempt_id, status, final_reward, error)
+        return done
+
+    def cancel(self, rollout_ids: Sequence[str] | None, reason: str) -> int:
+        body = {"rollout_ids": None if rollout_ids is None else list(rollout_ids), "reason": reason}
+        return json.loads(self._call("cancel", body))["count"]
+
+    def requeue_expired(self) -> int:
+        return json.loads(self._call("requeue_expired", {}))["count"]
+
+    def attempt_state(self, rollout_id: str, attempt_id: str) -> AttemptState | None:
+        state = json.loads(self._call("attempt_state", {"rollout_id": rollout_id, "attempt_id": attempt_id}))["state"]
+        return None if state is None else AttemptState(state["rollout_status"], state["current"], state["metadata"])
+
+    # ------------------------------------------------------------ spans
+
+    def next_sequence_id(self, rollout_id: str) -> int:
+        """The next id, counted by the service; KeyError for a rollout it does not hold."""
+        return json.loads(self._call("next_sequence_id", {"rollout_id": rollout_id}))["sequence_id"]
+
+    def add_spans(self, spans: Sequence[Span]) -> None:
+        self._uploader.put(spans)
+
+    def flush(self) -> None:
+        self._uploader.flush()
+
+    # ------------------------------------------------------------ reading
+
+    def wait(self, rollout_ids: Sequence[str], timeout_s: float) -> set[str]:
+        deadline = time.monotonic() + timeout_s
+        wanted = list(dict.fromkeys(rollout_ids))
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            done = set(json.loads(self._call("wait", {"rollout_ids": wanted, "timeout_s": left},
+                                             wait_s=left))["done"])
+            if len(done) == len(wanted) or time.monotonic() >= deadline:
+                return done
+
+    def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
+        self.flush()
+        return Rollouts.model_validate_json(self._call("get_rollouts", {"rollout_ids": list(rollout_ids)})).rollouts
+
+    def query(self, statuses: Sequence[str] | None = None) -> list[Rollout]:
+        body = {"statuses": None if statuses is None else list(statuses)}
+        return Rollouts.model_validate_json(self._call("query", body)).rollouts
+
+    def release(self, rollout_ids: Sequence[str]) -> None:
+        self.flush()
+        self._call("release", {"rollout_ids": list(rollout_ids)})
+
+    def close(self) -> None:
+        """Upload what is queued (retrying up to ``connect_timeout_s``), then close every connection."""
+        try:
+            self._uploader.stop()
+        finally:
+            with self._connections_lock:
+                for conn in list(self._connections):
+                    conn.close()
+                self._connections.clear()
+
+
+class _SpanUploader(threading.Thread):
+    """Uploads queued spans in batches, each retried until acknowledged (see the module docstring)."""
+
+    def __init__(self, store: HttpStore, batch_size: int, batch_bytes: int, max_pending: int):
+        super().__init__(name="agl-store-span-uploader", daemon=True)
+        self.store, self.batch_size, self.batch_bytes = store, batch_size, batch_bytes
+        self.pending: queue.Queue[Span | None] = queue.Queue(maxsize=max_pending)
+        self.done = threading.Condition()
+        self.added = self.acknowledged = 0
+        self.error: BaseException | None = None
+
+    def put(self, spans: Sequence[Span]) -> None:
+        self._raise_error()
+        with self.done:
+            self.added += len(spans)
+        for span in spans:
+            self.pending.put(span)
+
+    def flush(self) -> None:
+        with self.done:
+            target = self.added
+            while self.acknowledged < target and self.error is None:
+                self.done.wait(1.0)
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"spans cannot be uploaded to the store service at {self.store.url}: "
+                               f"{self.error}") from self.error
+
+    def stop(self) -> None:
+        if self.is_alive():
+            self.pending.put(None)  # after every queued span: they are uploaded first
+            self.join()
+
+    def run(self) -> None:
+        while True:
+            parts, size, last = [], 0, self.pending.get()
+            while last is not None:
+                parts.append(last.model_dump_json().encode())
+                size += len(parts[-1])
+                if len(parts) >= self.batch_size or size >= self.batch_bytes:
+                    break
+                try:
+                    last = self.pending.get_nowait()
+                except queue.Empty:
+                    break
+            if parts and self.error is None:
+                try:
+                    self.store._call("add_spans", b'{"spans":[' + b",".join(parts) + b"]}")
+                except BaseException as exc:  # surfaced by every later put/flush instead of a silent loss
+                    self.error = exc
+            with self.done:
+                self.acknowledged += len(parts)
+                self.done.notify_all()
+            if last is None:
+                return
+
+
+def _message(raw: bytes) -> str:
+    """The message of an error answer (the project's servers answer ``{"error": {"message": ...}}``)."""
+    try:
+        return str(json.loads(raw)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return raw[:200].decode(errors="replace") or "(no body)"
