@@ -1,0 +1,345 @@
+"""The store service (``agl serve store``) and its client ``HttpStore``: the server's rules, the wire, the plugin.
+
+The store contract over HTTP is in tests/test_store.py; a service killed and
+restarted under its clients is in tests/faults/test_fault_store_service.py.
+"""
+
+import contextlib
+import json
+import os
+import selectors
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+from agl_plugin_sqlite import SqliteStore
+
+from agl_core.components import Components
+from agl_core.config import ConfigError
+from agl_core.context import TrainContext
+from agl_core.data import Span, Task
+from agl_core.http_server import ServerThread
+from agl_core.store import NewRollout
+from agl_core.store_client import HttpStore
+from agl_core.store_server import RESERVE_SEQUENCE_IDS, StoreService
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture
+def serve(tmp_path):
+    """``serve(token=None, max_body_bytes=..., wrap=None) -> (url, backing store)``: a service on a real file."""
+    opened = []
+
+    def start(token=None, wrap=None, **options):
+        backing = SqliteStore(tmp_path / f"store{len(opened)}.sqlite", reserve_sequence_ids=RESERVE_SEQUENCE_IDS)
+        service = StoreService(backing, token, **options)
+        server = ServerThread(service.app if wrap is None else wrap(service.app)).start()
+        opened.append((server, service, backing))
+        return server.url, backing
+
+    yield start
+    for server, service, backing in opened:
+        server.stop()
+        service.close()
+        backing.close()
+
+
+@pytest.fixture
+def client():
+    """``client(url, **options)``: an HttpStore closed after the test."""
+    made = []
+
+    def make(url, **options):
+        made.append(HttpStore(url, **{"connect_timeout_s": 10, **options}))
+        return made[-1]
+
+    yield make
+    for store in made:
+        with contextlib.suppress(Exception):  # a test may have left it failing on purpose
+            store.close()
+
+
+def new(rollout_id, **metadata):
+    return NewRollout(rollout_id, Task(id=f"task-{rollout_id}", input={"q": rollout_id}), 0, 2, metadata)
+
+
+def span(rollout_id, attempt_id, sequence_id):
+    return Span(rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=sequence_id, kind="llm_call",
+                prompt_token_ids=list(range(20)), response_token_ids=[sequence_id], response_logprobs=[-0.5])
+
+
+def post(url, method, body, token=None):
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{url}/v1/store/{method}", content=content, headers=headers, timeout=10)
+
+
+# ---------------------------------------------------------------- a real `agl serve store` process
+
+
+def agl(*args):
+    exe = shutil.which("agl") or str(Path(sys.executable).with_name("agl"))
+    return [exe, *map(str, args)]
+
+
+def first_line(proc, timeout_s=60.0):
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    assert selector.select(timeout_s), f"agl serve store printed nothing in {timeout_s} s"
+    line = proc.stdout.readline().strip()
+    assert line, f"agl serve store exited (rc={proc.wait(10)}): {proc.stderr.read()}"
+    return line
+
+
+def test_agl_serve_store_serves_a_file_until_sigterm_then_closes_it_with_every_span(tmp_path, client):
+    db = tmp_path / "rollouts.sqlite"
+    proc = subprocess.Popen(agl("serve", "store", "--db", db), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={k: v for k, v in os.environ.items() if k != "AGL_STORE_TOKEN"})
+    try:
+        url = first_line(proc)
+        assert url.startswith("http://127.0.0.1:")
+        store = client(url)
+        store.enqueue([new("a"), new("b")])
+        attempt = store.dequeue("w", lease_s=30, wait_s=5)
+        ids = [store.next_sequence_id("a") for _ in range(600)]  # more than a batch and a reserved block
+        store.add_spans([span("a", attempt.attempt_id, i) for i in ids])
+        assert store.finish("a", attempt.attempt_id, "succeeded", final_reward=1.0)
+        assert store.wait(["a"], timeout_s=5) == {"a"}
+        store.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+    reopened = SqliteStore(db)
+    try:
+        (rollout,) = reopened.get_rollouts(["a"])
+        assert rollout.status == "succeeded" and [s.sequence_id for s in rollout.spans] == list(range(600))
+        assert [r.rollout_id for r in reopened.query(["queuing"])] == ["b"]
+    finally:
+        reopened.close()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--host", "0.0.0.0"], "the store service binds 0.0.0.0, which is not a loopback address: set --token "
+                            "(or $AGL_STORE_TOKEN)"),
+    (["--port", "{port}"], "--port: the store service cannot listen on 127.0.0.1:{port}"),
+    (["--db", "{tmp}"], "the SQLite store {tmp} cannot be used: it is a directory"),
+])
+def test_agl_serve_store_refuses_to_start_naming_the_problem(tmp_path, args, message):
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # a port in use
+        port = taken.getsockname()[1]
+        args = [a.format(port=port, tmp=tmp_path) for a in args]
+        message = message.format(port=port, tmp=tmp_path)
+        db = [] if "--db" in args else ["--db", tmp_path / "rollouts.sqlite"]
+        env = {k: v for k, v in os.environ.items() if k != "AGL_STORE_TOKEN"}
+        done = subprocess.run(agl("serve", "store", *db, *args), capture_output=True, text=True, timeout=120,
+                              env=env)
+    assert done.returncode == 2 and f"agl: error: {message}" in done.stderr, done.stderr
+    assert done.stdout == ""
+
+
+# ---------------------------------------------------------------- the token
+
+
+def test_a_wrong_or_missing_token_is_refused_with_401_and_nothing_is_written(serve, client):
+    url, backing = serve(token=TOKEN)
+    body = {"rollouts": [{"rollout_id": "a", "task": {"id": "t", "input": {}}}]}
+    for token in (None, "wrong", TOKEN[:-1], TOKEN + "x"):
+        answer = post(url, "enqueue", body, token)
+        assert answer.status_code == 401 and "missing or wrong bearer token" in answer.json()["error"]["message"]
+    assert backing.query() == []
+
+    with pytest.raises(PermissionError, match=f"the store service at {url} \\(enqueue\\) refused the request"):
+        client(url, token="wrong").enqueue([new("a")])
+    spans_writer = client(url, token="wrong")
+    spans_writer.add_spans([span("a", "1", 0)])
+    with pytest.raises(RuntimeError, match=f"spans cannot be uploaded to the store service at {url}: .*refused"):
+        spans_writer.flush()
+    assert backing.query() == [] and backing.get_rollouts(["a"]) == []
+
+    right = client(url, token=TOKEN)
+    right.enqueue([new("a")])
+    assert [r.rollout_id for r in right.query()] == ["a"]
+
+
+def test_the_token_comes_from_the_environment(serve, client, monkeypatch):
+    url, _ = serve(token=TOKEN)
+    monkeypatch.setenv("AGL_STORE_TOKEN", TOKEN)
+    assert client(url).query() == []
+
+
+def test_healthz_answers_without_the_token_and_tells_more_with_it(serve):
+    url, backing = serve(token=TOKEN)
+    assert httpx.get(f"{url}/healthz", timeout=10).json() == {"ok": True}
+    with_token = httpx.get(f"{url}/healthz", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10).json()
+    assert with_token == {"ok": True, "db": str(backing.path)}
+
+
+# ---------------------------------------------------------------- bad requests fail alone
+
+
+def test_a_body_over_the_limit_is_refused_with_413(serve):
+    url, backing = serve(max_body_bytes=1024)
+    body = {"rollouts": [{"rollout_id": "a", "task": {"id": "t", "input": {"x": "y" * 2000}}}]}
+    answer = post(url, "enqueue", body)
+    assert answer.status_code == 413 and "exceeds 1024 bytes" in answer.json()["error"]["message"]
+    assert backing.query() == []
+
+
+@pytest.mark.parametrize(("method", "body", "status", "message"), [
+    ("dequeue", {"worker_id": "w"}, 400, "dequeue: lease_s: Field required"),
+    ("dequeue", {"worker_id": "w", "lease_s": -1}, 400, "dequeue: lease_s: Input should be greater than 0"),
+    ("dequeue", {"worker_id": "w", "lease_s": 30, "wait": 1}, 400, "dequeue: wait: unknown field"),
+    ("enqueue", {"rollouts": [{"rollout_id": "b", "task": {"id": "t"}}]}, 400, "enqueue: rollouts.0.task.input: "
+                                                                               "Field required"),
+    ("enqueue", {"rollouts": [{"rollout_id": "a", "task": {"id": "t", "input": {}}}]}, 400,
+     "rollouts already in the store: ['a']"),
+    ("add_spans", {"spans": [{"rollout_id": "a", "sequence_id": 0, "kind": "nope"}]}, 400,
+     "add_spans: spans.0.kind: Input should be 'llm_call', 'reward' or 'annotation'"),
+    ("finish", {"rollout_id": "a", "attempt_id": "1", "status": "running"}, 400,
+     "finish needs a terminal status"),
+    ("wait", {"rollout_ids": ["a"], "timeout_s": "soon"}, 400, "wait: timeout_s: Input should be a valid number"),
+    ("query", b"{not json", 400, "request body is not valid JSON"),
+    ("query", b"[]", 400, "request body must be a JSON object"),
+    ("nope", {}, 404, "no store method 'nope'; methods: enqueue, dequeue"),
+])
+def test_a_bad_request_gets_a_4xx_naming_what_is_wrong_and_changes_nothing(serve, method, body, status, message):
+    url, backing = serve()
+    backing.enqueue([new("a")])
+    answer = post(url, method, body)
+    assert answer.status_code == status and message in answer.json()["error"]["message"], answer.text
+    (rollout,) = backing.query()
+    assert (rollout.rollout_id, rollout.status) == ("a", "queuing")
+    assert backing.get_rollouts(["a"])[0].spans == []
+
+
+def test_the_client_raises_the_protocols_errors(serve, client):
+    url, _ = serve()
+    store = client(url)
+    with pytest.raises(KeyError, match="'nope' is not in the store"):
+        store.next_sequence_id("nope")
+    store.enqueue([new("a")])
+    store.release(["a"])
+    with pytest.raises(KeyError, match="it was released"):
+        store.next_sequence_id("a")
+    with pytest.raises(ValueError, match=f"the store service at {url} \\(enqueue\\): rollouts already in the store"):
+        store.enqueue([new("a")])
+    with pytest.raises(ValueError, match="finish needs a terminal status"):
+        store.finish("a", "1", "running")
+
+
+@pytest.mark.parametrize("url", ["localhost:8765", "ftp://host:1", "http://host:1/v1", "http://:80",
+                                 "http://host:99999"])
+def test_a_url_that_is_not_a_services_is_refused_naming_it(url):
+    with pytest.raises(ValueError, match=f"the store service URL '{url}'"):
+        HttpStore(url)
+
+
+# ---------------------------------------------------------------- retried calls
+
+
+def losing_answers(methods, times=1):
+    """An ASGI wrapper: the first ``times`` answers to each of ``methods`` are applied, then lost (a 503 instead)."""
+    lost = {method: 0 for method in methods}
+
+    def wrap(app):
+        async def wrapped(scope, receive, send):
+            method = scope.get("path", "").rsplit("/", 1)[-1]
+            if scope["type"] != "http" or lost.get(method, times) >= times:
+                return await app(scope, receive, send)
+            lost[method] += 1
+
+            async def drop(message):
+                pass
+            await app(scope, receive, drop)  # applied; its answer never leaves
+            await send({"type": "http.response.start", "status": 503, "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": b"lost"})
+        return wrapped
+
+    return wrap, lost
+
+
+def test_calls_whose_answer_was_lost_are_retried_without_doubling_anything(serve, client):
+    wrap, lost = losing_answers(["enqueue", "finish", "add_spans", "next_sequence_id"])
+    url, backing = serve(wrap=wrap)
+    store = client(url, batch_size=2)
+    store.enqueue([new("a", agent_name="x"), new("b")])  # applied, answer lost, retried: no error
+    attempt = store.dequeue("w", 30)
+    ids = [store.next_sequence_id("a") for _ in range(3)]
+    assert ids == [1, 2, 3]  # the id of the lost answer is skipped, never reused
+    store.add_spans([span("a", "1", i) for i in ids])  # the first batch is written, its answer lost, resent
+    assert store.finish("a", attempt.attempt_id, "succeeded", 1.0)  # applied, answer lost: still True
+    assert lost == {"enqueue": 1, "finish": 1, "add_spans": 1, "next_sequence_id": 1}
+    (rollout,) = store.get_rollouts(["a"])
+    assert rollout.status == "succeeded" and [s.sequence_id for s in rollout.spans] == ids
+    with contextlib.closing(sqlite3.connect(backing.path)) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM spans").fetchone()[0] == 3
+    # a finish that did not end the attempt says so, retried or not
+    assert not store.finish("a", attempt.attempt_id, "failed")
+
+
+def test_an_enqueue_retried_into_different_rollouts_still_fails(serve, client):
+    wrap, _ = losing_answers(["enqueue"])
+    url, backing = serve(wrap=wrap)
+    backing.enqueue([new("a", agent_name="other")])
+    with pytest.raises(ValueError, match="already in the store"):
+        client(url).enqueue([new("a", agent_name="mine")])
+
+
+def test_long_polls_are_cut_by_the_service_and_resumed_by_the_client(serve, client, monkeypatch):
+    monkeypatch.setattr("agl_core.store_server.LONG_POLL_S", 0.05)
+    url, backing = serve()
+    store = client(url)
+    backing.enqueue([new("a")])
+    attempt = store.dequeue("w", 30)
+    threading.Timer(0.3, lambda: backing.finish("a", attempt.attempt_id, "succeeded")).start()
+    assert store.wait(["a"], timeout_s=30) == {"a"}  # many cut polls, one answer
+    assert store.dequeue("w", 30, wait_s=0.2) is None
+
+
+def test_spans_are_uploaded_in_batches_each_once(serve, client):
+    url, backing = serve()
+    store = client(url, batch_size=7, batch_bytes=2000)
+    store.enqueue([new("a")])
+    attempt = store.dequeue("w", 30)
+    for _ in range(10):
+        store.add_spans([span("a", attempt.attempt_id, store.next_sequence_id("a")) for _ in range(10)])
+    store.flush()
+    assert [s.sequence_id for s in backing.get_rollouts(["a"])[0].spans] == list(range(100))
+
+
+# ---------------------------------------------------------------- the plugin
+
+
+def test_the_plugin_opens_an_http_store_at_its_url(make_recipe, serve, tmp_path):
+    url, backing = serve(token=TOKEN)
+    recipe, plugins = make_recipe(["rollout.store=http", f"plugins.http_store.url={url}",
+                                   f"plugins.http_store.token={TOKEN}", "plugins.http_store.connect_timeout_s=5"])
+    components = Components.collect(plugins)
+    ctx = TrainContext(recipe, plugins, components, Path(recipe.trainer.run_dir))
+    store = components.get("store", "http").obj(ctx)
+    try:
+        store.enqueue([new("a")])
+        assert isinstance(store, HttpStore) and store.connect_timeout_s == 5
+        assert [r.rollout_id for r in backing.query()] == ["a"]
+    finally:
+        store.close()
+
+
+def test_the_plugin_needs_a_url(make_recipe):
+    recipe, plugins = make_recipe(["rollout.store=http"])
+    components = Components.collect(plugins)
+    ctx = TrainContext(recipe, plugins, components, Path(recipe.trainer.run_dir))
+    with pytest.raises(ConfigError, match="set plugins.http_store.url"):
+        components.get("store", "http").obj(ctx)
+    with pytest.raises(ConfigError, match="plugins.http_store.urll: unknown key"):
+        make_recipe(["plugins.http_store.urll=http://x:1"])
