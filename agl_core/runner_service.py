@@ -34,7 +34,7 @@ from collections.abc import Callable
 from agl_core.agents import LLM, load_agent
 from agl_core.gateway.server import TOKEN_ENV as GATEWAY_TOKEN_ENV
 from agl_core.gateway.server import Gateway
-from agl_core.gateway.service import STORE_TOKEN_ENV, check_gateway, stop_on_signals
+from agl_core.gateway.service import check_gateway, check_service, stop_on_signals
 from agl_core.runner import LocalRunner
 from agl_core.store import Store
 
@@ -69,6 +69,7 @@ def serve_runner(store: Store, gateway_url: str, agent: Callable, *, stop: threa
 
 def main(args) -> int:
     """``agl runner``: check the store and the gateway answer, then serve until SIGINT or SIGTERM; 0 once stopped."""
+    from agl_core.store_client import TOKEN_ENV as STORE_TOKEN_ENV
     from agl_core.store_client import HttpStore
 
     for flag in ("workers", "timeout_s", "lease_s"):
@@ -82,11 +83,14 @@ def main(args) -> int:
     except ValueError as exc:
         raise ValueError(f"--agent {args.agent}: {str(exc).removeprefix(f'rollout.agent={args.agent!r}: ')}") \
             from None
+    # The agents' openai clients log every model call at INFO: the runner's own lines must stay readable.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     stop = stop_on_signals()
+    store_token = args.store_token or os.environ.get(STORE_TOKEN_ENV) or None
     gateway_token = args.gateway_token or os.environ.get(GATEWAY_TOKEN_ENV) or None
-    store = HttpStore(args.store, args.store_token or os.environ.get(STORE_TOKEN_ENV) or None,
-                      connect_timeout_s=args.connect_timeout_s)
+    store = HttpStore(args.store, store_token, connect_timeout_s=args.connect_timeout_s)
     try:
+        check_service(args.store, store_token, args.connect_timeout_s, "the store service")
         check_gateway(args.gateway, gateway_token, args.connect_timeout_s)
         print(f"agl runner: {args.workers} workers leasing from {args.store}, calling {args.gateway}", flush=True)
         serve_runner(store, args.gateway.rstrip("/"), agent, stop=stop, workers=args.workers, model=args.model,

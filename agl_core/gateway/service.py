@@ -11,7 +11,9 @@ behind one store. The trainer sets each step what it serves with
 Both retry a gateway that does not answer (refused or timed-out connections)
 with exponential backoff for up to ``connect_timeout_s``, logging each retry,
 then raise a ValueError naming the URL; a gateway that refuses the token or
-the request is a ValueError at once, with the gateway's reason.
+the request is a ValueError at once, with the gateway's reason
+(:func:`call_service`, :func:`check_service`: the same for any service of
+the project).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from agl_core.gateway.server import ADMIN_POLICY, TOKEN_ENV, Gateway
 from agl_core.http_rules import require_token_off_loopback
 
 log = logging.getLogger("agl_core.gateway.service")
-STORE_TOKEN_ENV = "AGL_STORE_TOKEN"
+STORE_CONNECT_TIMEOUT_S = 60.0
+"""How long the gateway waits at start-up for its store service to answer."""
 FLAGGED = ("host", "port", "token")
 """Gateway settings with flags of their own, refused in ``--config``."""
 REQUEST_TIMEOUT_S = 30.0
@@ -41,13 +44,16 @@ FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.25, 5.0
 
 def main(args) -> int:
     """Serve a gateway over the store service ``args.store`` until SIGINT or SIGTERM; print its URL once it serves."""
+    from agl_core.store_client import TOKEN_ENV as STORE_TOKEN_ENV
     from agl_core.store_client import HttpStore
 
     config = gateway_config(args.config, host=args.host, port=args.port, token=args.token)
     require_token_off_loopback("the gateway", config.host, config.token or os.environ.get(TOKEN_ENV),
                                f"--token (or ${TOKEN_ENV})")
     stop = stop_on_signals()
-    store = HttpStore(args.store, args.store_token or os.environ.get(STORE_TOKEN_ENV))
+    store_token = args.store_token or os.environ.get(STORE_TOKEN_ENV) or None
+    check_service(args.store, store_token, STORE_CONNECT_TIMEOUT_S, "the store service")
+    store = HttpStore(args.store, store_token)
     try:
         server = Gateway(store, config, upstreams=args.upstream).serve()
         # Start-up objects never die: keeping them out of the collector's scans keeps its pauses short.
@@ -104,43 +110,52 @@ def set_policy(gateway_url: str, *, urls: list[str], weight_version: int | None,
     as it now is.
     """
     body = {"urls": list(urls), "weight_version": weight_version, "sampling": sampling or {}, "seed": seed}
-    return _call(gateway_url, "PUT", ADMIN_POLICY, token, connect_timeout_s, json=body).json()
+    return call_service(gateway_url, "PUT", ADMIN_POLICY, token, connect_timeout_s, "the gateway", json=body).json()
 
 
 def check_gateway(gateway_url: str, token: str | None = None, connect_timeout_s: float = 60.0) -> None:
     """Return once the gateway at ``gateway_url`` answers and takes ``token``; ValueError naming the URL otherwise."""
-    health = _call(gateway_url, "GET", "/healthz", token, connect_timeout_s).json()
-    if "upstreams" not in health:  # the details are for callers with the token only
-        raise ValueError(f"the gateway at {gateway_url} refuses the token given (--gateway-token, or "
-                         f"$AGL_GATEWAY_TOKEN): agents' calls would be answered 401")
+    check_service(gateway_url, token, connect_timeout_s, "the gateway")
 
 
-def _call(gateway_url: str, method: str, path: str, token: str | None, connect_timeout_s: float,
-          **kwargs: Any) -> httpx.Response:
-    """One request to the gateway, retried while the gateway does not answer; ValueError unless it says 2xx."""
-    url = gateway_url.rstrip("/") + path
+def check_service(url: str, token: str | None, connect_timeout_s: float, what: str) -> None:
+    """Return once the service of the project at ``url`` (``what``) answers ``/healthz`` and takes ``token``."""
+    health = call_service(url, "GET", "/healthz", token, connect_timeout_s, what).json()
+    if len(health) == 1:  # {"ok": true} only: what it serves is for callers with the token
+        raise ValueError(f"{what} at {url} refuses the token given: "
+                         f"{'it requires one' if token is None else 'it is not its token'}")
+
+
+def call_service(url: str, method: str, path: str, token: str | None, connect_timeout_s: float, what: str,
+                 **kwargs: Any) -> httpx.Response:
+    """One request to a service of the project, retried while it does not answer; ValueError unless it says 2xx.
+
+    Refused and timed-out connections are retried with exponential backoff,
+    each retry logged, for up to ``connect_timeout_s``; then the ValueError
+    names ``what`` and its URL.
+    """
+    target = url.rstrip("/") + path
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     deadline = time.monotonic() + connect_timeout_s
     backoff = FIRST_BACKOFF_S
     while True:
         try:
-            response = httpx.request(method, url, headers=headers, timeout=REQUEST_TIMEOUT_S, **kwargs)
+            response = httpx.request(method, target, headers=headers, timeout=REQUEST_TIMEOUT_S, **kwargs)
             break
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise ValueError(f"the gateway at {gateway_url} does not answer ({exc or type(exc).__name__}); "
+                raise ValueError(f"{what} at {url} does not answer ({exc or type(exc).__name__}); "
                                  f"gave up after {connect_timeout_s:g} s") from None
-            log.warning("the gateway at %s does not answer (%s); retrying in %.2g s", gateway_url, exc, backoff)
+            log.warning("%s at %s does not answer (%s); retrying in %.2g s", what, url, exc, min(backoff, left))
             time.sleep(min(backoff, left))
             backoff = min(backoff * 2, MAX_BACKOFF_S)
         except httpx.HTTPError as exc:
-            raise ValueError(f"{method} {url} failed: {exc or type(exc).__name__}") from None
+            raise ValueError(f"{what} at {url}: {method} {path} failed: {exc or type(exc).__name__}") from None
     if response.status_code >= 400:
         try:
             reason = response.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
             reason = response.text[:200]
-        raise ValueError(f"the gateway at {gateway_url} answered {method} {path} with "
-                         f"{response.status_code}: {reason}")
+        raise ValueError(f"{what} at {url} answered {method} {path} with {response.status_code}: {reason}")
     return response
