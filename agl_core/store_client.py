@@ -111,6 +111,7 @@ class HttpStore:
         self._local = threading.local()
         self._connections: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()
         self._connections_lock = threading.Lock()
+        self._closed = False
         self._uploader = _SpanUploader(self, batch_size, batch_bytes, max_pending)
         self._uploader.start()
 
@@ -118,6 +119,8 @@ class HttpStore:
 
     def _exchange(self, method: str, body: dict[str, Any] | bytes, wait_s: float = 0.0) -> tuple[int, bytes, bool]:
         """POST ``body`` to ``method``, retried as the module docstring says: (status, answer, whether retried)."""
+        if self._closed:
+            raise RuntimeError(f"the client of the store service at {self.url} is closed")
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         path = f"/v1/store/{method}"
         deadline, tries, backoff = None, 0, FIRST_BACKOFF_S
@@ -251,6 +254,8 @@ class HttpStore:
         return json.loads(self._call("next_sequence_id", {"rollout_id": rollout_id}))["sequence_id"]
 
     def add_spans(self, spans: Sequence[Span]) -> None:
+        if self._closed:  # nobody would upload them
+            raise RuntimeError(f"the client of the store service at {self.url} is closed")
         self._uploader.put(spans)
 
     def flush(self) -> None:
@@ -285,6 +290,7 @@ class HttpStore:
         try:
             self._uploader.stop()
         finally:
+            self._closed = True
             with self._connections_lock:
                 for conn in list(self._connections):
                     conn.close()

@@ -298,8 +298,8 @@ def main(args) -> int:
     store = SqliteStore(args.db, reserve_sequence_ids=RESERVE_SEQUENCE_IDS)
     stop = threading.Event()
     previous = {signum: signal.signal(signum, lambda *_: stop.set()) for signum in (signal.SIGINT, signal.SIGTERM)}
+    service = StoreService(store, token)
     try:
-        service = StoreService(store, token)
         server = ServerThread(service.app, args.host, args.port, name="the store service", setting="--port")
         try:
             server.start()
@@ -308,9 +308,9 @@ def main(args) -> int:
             while not stop.wait(1.0):
                 pass
         finally:
-            server.stop()
-            service.close()
+            server.stop()  # lets the requests in flight finish
     finally:
+        service.close()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         store.close()

@@ -237,6 +237,15 @@ def test_the_client_raises_the_protocols_errors(serve, client):
         store.finish("a", "1", "running")
 
 
+def test_a_closed_client_says_so(serve):
+    url, _ = serve()
+    store = HttpStore(url)
+    store.close()
+    for call in (store.query, lambda: store.add_spans([span("a", "1", 0)])):
+        with pytest.raises(RuntimeError, match=f"the client of the store service at {url} is closed"):
+            call()
+
+
 @pytest.mark.parametrize("url", ["localhost:8765", "ftp://host:1", "http://host:1/v1", "http://:80",
                                  "http://host:99999"])
 def test_a_url_that_is_not_a_services_is_refused_naming_it(url):
