@@ -6,9 +6,11 @@ by URL: ``HttpStore("http://10.0.0.5:8765", token=...)``, or the recipe's
 ``rollout.store: http`` with ``plugins.http_store.url`` (built-in plugin
 :mod:`agl_core.builtin.http_store`).
 
-- **Connections.** Each thread keeps one keep-alive connection (stdlib
-  ``http.client``: the least work per call; a thread never waits for
-  another's call). Every request is a small JSON POST.
+- **Connections.** Each thread keeps one keep-alive connection (a thread
+  never waits for another's call). A request goes out in one write and its
+  answer is parsed by httptools (uvicorn's parser): about a third of the CPU
+  of ``http.client``, which writes headers and body apart and parses headers
+  with the email package. Every request is a small JSON POST.
 - **Retries.** A connection error, a timeout or a 502/503/504 is retried, at
   once the first time (a keep-alive connection the service closed), then with
   exponential backoff, for up to ``connect_timeout_s`` after the first
@@ -44,10 +46,11 @@ by URL: ``HttpStore("http://10.0.0.5:8765", token=...)``, or the recipe's
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import queue
+import socket
+import ssl
 import threading
 import time
 import urllib.parse
@@ -55,6 +58,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import httptools
 from pydantic import BaseModel, ConfigDict
 
 from agl_core.data import Rollout, Span, Task
@@ -103,13 +107,12 @@ class HttpStore:
         self.url = url.rstrip("/")
         self.connect_timeout_s = connect_timeout_s
         token = token or os.environ.get(TOKEN_ENV) or None
-        self._headers = {"Content-Type": "application/json",
-                         **({"Authorization": f"Bearer {token}"} if token else {})}
-        connection = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        self._new_connection = lambda: connection(parts.hostname, port, timeout=min(CONNECT_TIMEOUT_S,
-                                                                                    connect_timeout_s))
+        self._address = (parts.hostname, port or (443 if parts.scheme == "https" else 80))
+        self._tls = ssl.create_default_context() if parts.scheme == "https" else None
+        self._headers = (f"Host: {parts.netloc}\r\nContent-Type: application/json\r\n"
+                         + (f"Authorization: Bearer {token}\r\n" if token else ""))
         self._local = threading.local()
-        self._connections: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()
+        self._connections: weakref.WeakSet[_Connection] = weakref.WeakSet()
         self._connections_lock = threading.Lock()
         self._closed = False
         self._uploader = _SpanUploader(self, batch_size, batch_bytes, max_pending)
@@ -131,7 +134,7 @@ class HttpStore:
                 if status not in RETRIED_STATUSES:
                     return status, raw, tries > 1
                 last = f"HTTP {status}: {_message(raw)}"
-            except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out, cut mid-answer
+            except (OSError, httptools.HttpParserError) as exc:  # refused, reset, timed out, cut or garbled
                 self._drop_connection()
                 last = f"{type(exc).__name__}: {exc}"
             now = time.monotonic()
@@ -147,18 +150,12 @@ class HttpStore:
     def _send(self, path: str, data: bytes, timeout_s: float) -> tuple[int, bytes]:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = self._local.conn = self._new_connection()
+            conn = self._local.conn = _Connection(self._address, self._tls,
+                                                  min(CONNECT_TIMEOUT_S, self.connect_timeout_s))
             with self._connections_lock:
                 self._connections.add(conn)
-        if conn.sock is None:
-            conn.connect()  # under the connect timeout; the answer may take longer
-        conn.sock.settimeout(timeout_s)
-        conn.request("POST", path, body=data, headers=self._headers)
-        response = conn.getresponse()
-        raw = response.read()
-        if response.will_close:
-            conn.close()
-        return response.status, raw
+        request = f"POST {path} HTTP/1.1\r\n{self._headers}Content-Length: {len(data)}\r\n\r\n".encode() + data
+        return conn.exchange(request, timeout_s)
 
     def _drop_connection(self) -> None:
         conn = getattr(self._local, "conn", None)
@@ -295,6 +292,56 @@ class HttpStore:
                 for conn in list(self._connections):
                     conn.close()
                 self._connections.clear()
+
+
+class _Connection:
+    """One keep-alive HTTP/1.1 connection to ``address``, opened on first use and after :meth:`close`."""
+
+    def __init__(self, address: tuple[str, int], tls: ssl.SSLContext | None, connect_timeout_s: float):
+        self.address, self.tls, self.connect_timeout_s = address, tls, connect_timeout_s
+        self.sock: socket.socket | None = None
+
+    def exchange(self, request: bytes, timeout_s: float) -> tuple[int, bytes]:
+        """Send ``request`` and read its answer within ``timeout_s``: (status, body)."""
+        if self.sock is None:
+            sock = socket.create_connection(self.address, timeout=self.connect_timeout_s)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock = sock if self.tls is None else self.tls.wrap_socket(sock, server_hostname=self.address[0])
+        self.sock.settimeout(timeout_s)
+        self.sock.sendall(request)
+        answer = _Answer()
+        answer.parser = httptools.HttpResponseParser(answer)
+        while not answer.complete:
+            data = self.sock.recv(1 << 16)
+            if not data:
+                raise ConnectionResetError("the service closed the connection before it answered")
+            answer.parser.feed_data(data)
+        if not answer.keep_alive:
+            self.close()
+        return answer.parser.get_status_code(), b"".join(answer.body)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+class _Answer:
+    """httptools' callbacks: the body of one answer, whether it is all there, whether the connection stays open."""
+
+    def __init__(self) -> None:
+        self.parser: httptools.HttpResponseParser | None = None
+        self.body: list[bytes] = []
+        self.complete = self.keep_alive = False
+
+    def on_headers_complete(self) -> None:
+        self.keep_alive = self.parser.should_keep_alive()  # known from the headers; reset once the answer ends
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
 
 
 class _SpanUploader(threading.Thread):
