@@ -16,7 +16,8 @@ It runs ``workers`` agent workers on rollouts leased from ``store`` until
 the :class:`threading.Event` ``stop`` is set; every attempt's
 :class:`~agl_core.agents.LLM` has the base URL
 ``Gateway.base_url(gateway_url, rollout_id, attempt_id)``, ``model`` and
-``api_key`` (the gateway's token, or any string when it has none). Once
+``api_key`` (the gateway's token, or any string when it has none), and no
+``sampling``: the gateway adds the run's to calls that do not set it. Once
 ``stop`` is set it leases nothing more and gives the running attempts up to
 ``drain_s`` seconds to end, renewing their leases; an attempt still running
 then is left to its lease, so the store hands it to another runner. ``agent``
@@ -26,6 +27,7 @@ is the function itself (:func:`agl_core.agents.load_agent` turns a
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -92,6 +94,7 @@ def main(args) -> int:
     try:
         check_service(args.store, store_token, args.connect_timeout_s, "the store service")
         check_gateway(args.gateway, gateway_token, args.connect_timeout_s)
+        gc.freeze()  # start-up objects (torch's among them) never die: the collector need not walk them again
         print(f"agl runner: {args.workers} workers leasing from {args.store}, calling {args.gateway}", flush=True)
         serve_runner(store, args.gateway.rstrip("/"), agent, stop=stop, workers=args.workers, model=args.model,
                      api_key=gateway_token or "agl", timeout_s=args.timeout_s, lease_s=args.lease_s,

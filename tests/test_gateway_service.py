@@ -1,10 +1,8 @@
-"""The gateway as a service: its admin route and clients, and ``agl serve gateway`` as a real process over a store service."""
+"""The gateway as a service: its admin route, its clients, its settings from ``agl serve gateway``'s flags.
 
-import json
-import os
-import signal
-import subprocess
-import sys
+``agl serve gateway`` as a real process over a store service is exercised by tests/test_runner_service.py and
+tests/faults/test_fault_runners.py.
+"""
 
 import httpx
 import openai

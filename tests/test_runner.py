@@ -6,6 +6,7 @@ import json
 import re
 import sqlite3
 import threading
+import time
 from pathlib import Path
 
 import openai
@@ -20,7 +21,7 @@ from agl_core.data import Task
 from agl_core.gateway import Gateway
 from agl_core.loop import Trainer
 from agl_core.plugins import PluginError
-from agl_core.runner import LocalRunner
+from agl_core.runner import LocalRunner, collect
 from agl_core.testing_endpoint import ByteTokenizer, TestEndpoint
 
 TASKS = [Task(id=f"t{i}", input={"word": w}) for i, w in enumerate(["apple", "pear", "fig"])]
@@ -180,6 +181,22 @@ def test_lost_attempts_are_requeued_up_to_max_attempts(lose, max_attempts, statu
     for rollout in result.rollouts:
         if rollout.status == "failed":
             assert f"attempt {rollout.attempts} was lost" in rollout.error
+
+
+def test_collect_ends_the_rollouts_of_a_lost_runner_even_when_no_runner_asks_for_work():
+    store = MemoryStore()
+    result = {}
+    step = threading.Thread(target=lambda: result.update(step=collect(store, TASKS[:1], max_attempts=1, poll_s=0.1)))
+    step.start()
+    deadline = time.monotonic() + 10
+    while not store.query(["queuing"]):
+        assert time.monotonic() < deadline, "the step queued nothing"
+        time.sleep(0.01)
+    assert store.dequeue("a-runner-about-to-be-lost", lease_s=0.2) is not None  # nobody renews or finishes it
+    step.join(10)
+    assert not step.is_alive()
+    rollout, = result["step"].rollouts
+    assert rollout.status == "failed" and "attempt 1 was lost" in rollout.error
 
 
 # ------------------------------------------------------------------ through the plugin hooks

@@ -16,7 +16,9 @@ queues the tasks in the store (``rollout.n`` samples each in training,
 ``rollout.max_attempts`` attempts each) and returns the rollouts once all
 have ended, with the same ``rollout/…`` metrics as the local runner. A runner
 lost mid-rollout loses its lease and its rollouts go to another runner.
-The runners' own flags set their attempts' timeout and lease.
+The runners' own flags set their attempts' timeout and lease. The trainer
+does not load the agent, so the rollouts' metadata has no ``agent_name``: it
+is on the spans the agents emit (rewards, annotations), not on model calls.
 
 :func:`collect_step` is that step alone, for a plugin with its own store and
 gateway (the Ray runners).

@@ -126,11 +126,12 @@ def test_a_runner_killed_mid_rollout_has_its_rollouts_finished_by_another_once(p
     rollouts = result["step"].rollouts
     assert [r.task_id for r in rollouts] == [t.id for t in tasks] and len({r.rollout_id for r in rollouts}) == 4
     for rollout in rollouts:
-        assert (rollout.status, rollout.final_reward, rollout.attempts, rollout.attempt_id) == ("succeeded", 1.0, 2, "2")
+        assert (rollout.status, rollout.final_reward, rollout.attempts) == ("succeeded", 1.0, 2)
         assert [(s.sequence_id > 1, s.kind, s.attempt_id) for s in rollout.spans] == [
             (True, "llm_call", "2"), (True, "reward", "2"), (True, "llm_call", "2")]
     assert result["step"].metrics["rollout/n_retried"] == 4
-    with contextlib.closing(sqlite3.connect(plane.tmp_path / "store.sqlite")) as conn:  # the file: each rollout once, ended once
+    # the file: each rollout once, ended once
+    with contextlib.closing(sqlite3.connect(plane.tmp_path / "store.sqlite")) as conn:
         assert conn.execute("SELECT COUNT(*), SUM(status = 'succeeded') FROM rollouts").fetchone() == (4, 4)
 
 
