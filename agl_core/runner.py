@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from agl_core.agents import LLM, RolloutScope, agent_name, as_reward, rollout_scope
 from agl_core.data import Rollout, Task
-from agl_core.store import FAILED, SUCCEEDED, TIMED_OUT, Attempt, NewRollout, Store
+from agl_core.store import FAILED, QUEUING, RUNNING, SUCCEEDED, TIMED_OUT, Attempt, NewRollout, Store
 
 log = logging.getLogger("agl_core.runner")
 
@@ -269,6 +269,17 @@ def collect(store: Store, tasks: list[Task], samples: int = 1, *, metadata: dict
     rollouts = store.get_rollouts(ids)
     store.release(ids)
     return RunResult(rollouts, rollout_metrics(rollouts))
+
+
+def cancel_abandoned(store: Store, run_id: str | None) -> int:
+    """End as failed the unfinished rollouts an earlier trainer of run ``run_id`` queued; return how many.
+
+    Nobody waits for them any more. Rollouts of other runs (a store service
+    shared by several trainers) are left alone; those that carry no run id
+    were queued before rollouts carried one and are ended too.
+    """
+    mine = [r.rollout_id for r in store.query([QUEUING, RUNNING]) if r.metadata.get("run_id") in (run_id, None)]
+    return store.cancel(mine, "abandoned: the trainer that queued it stopped") if mine else 0
 
 
 def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:

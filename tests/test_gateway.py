@@ -360,3 +360,17 @@ def test_a_store_that_cannot_write_fails_the_call_with_503_naming_why(endpoint, 
     for _ in range(2):  # the gateway keeps answering
         with pytest.raises(openai.InternalServerError, match="cannot record this call: spans cannot be written"):
             client(server).chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+
+
+def test_a_durable_gateway_answers_once_the_calls_spans_are_flushed(endpoint, store, serve, monkeypatch):
+    """The gateway service's store is read by other processes: the answer must not overtake the span."""
+    events = []
+    add_spans, flush = store.add_spans, store.flush
+    monkeypatch.setattr(store, "add_spans", lambda spans: (events.append("add"), add_spans(spans))[1])
+    monkeypatch.setattr(store, "flush", lambda: (events.append("flush"), flush())[1])
+    gateway, server = serve(store, [endpoint.url])
+    client(server).chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+    assert events == ["add"]
+    gateway.durable = True
+    client(server).chat.completions.create(model="policy", messages=[{"role": "user", "content": "y"}])
+    assert events == ["add", "add", "flush"]

@@ -21,7 +21,8 @@ from agl_core.data import Task
 from agl_core.gateway import Gateway
 from agl_core.loop import Trainer
 from agl_core.plugins import PluginError
-from agl_core.runner import LocalRunner, collect
+from agl_core.runner import LocalRunner, cancel_abandoned, collect
+from agl_core.store import NewRollout
 from agl_core.testing_endpoint import ByteTokenizer, TestEndpoint
 
 TASKS = [Task(id=f"t{i}", input={"word": w}) for i, w in enumerate(["apple", "pear", "fig"])]
@@ -290,3 +291,18 @@ def test_the_docs_example_runs(capsys):
     exec(compile(example, "docs/rollout.md", "exec"), {"__name__": "docs_example"})
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == "4.0 succeeded" and all(" succeeded 1.0 " in line for line in out[:-1])
+
+
+def test_cancel_abandoned_ends_only_the_rollouts_of_its_own_run():
+    """A store service may be shared by several trainers: a starting one ends its own run's leftovers only."""
+    store = MemoryStore()
+    task = Task(id="t", input={})
+    store.enqueue([NewRollout("mine", task, metadata={"run_id": "A"}),
+                   NewRollout("theirs", task, metadata={"run_id": "B"}), NewRollout("untagged", task),
+                   NewRollout("mine-running", task, metadata={"run_id": "A"})])
+    store.dequeue("w", lease_s=60)  # "mine" is running now
+    assert cancel_abandoned(store, "A") == 3
+    statuses = {r.rollout_id: r.status for r in store.query()}
+    assert statuses == {"mine": "failed", "theirs": "queuing", "untagged": "failed", "mine-running": "failed"}
+    assert cancel_abandoned(store, "A") == 0
+    store.close()

@@ -17,7 +17,7 @@ from agl_core.agents import LLM, load_agent
 from agl_core.gateway import Gateway
 from agl_core.http_server import ServerThread
 from agl_core.plugins import PluginError
-from agl_core.runner import LocalRunner
+from agl_core.runner import LocalRunner, cancel_abandoned
 from agl_core.store import Store
 
 AGL_HOOK_API = HOOK_API_VERSION
@@ -56,7 +56,7 @@ def start_runtime(ctx) -> LocalRuntime:
     agent = load_agent(cfg.agent)
     store = ctx.components.get("store", cfg.store).obj(ctx)
     # Rollouts left unfinished in a persistent store by an earlier process have no one waiting for them.
-    store.cancel(None, "abandoned: the trainer that queued it stopped")
+    cancel_abandoned(store, ctx.run_id)
     try:
         gateway = Gateway(store, cfg.gateway, gateway_sampling(ctx), seed=gateway_seed(ctx))
         server = gateway.serve()
@@ -123,7 +123,8 @@ def weight_version(ctx, mode: str) -> int:
 def collect_options(ctx, mode: str) -> dict:
     """The step's arguments of :func:`agl_core.runner.collect`: ``rollout.n`` samples per task in training
     (1 in validation), the metadata call seeds derive from, rollout ids naming the step."""
-    return {"samples": ctx.config.rollout.n if mode == "train" else 1, "metadata": {"mode": mode, "step": ctx.step},
+    return {"samples": ctx.config.rollout.n if mode == "train" else 1,
+            "metadata": {"mode": mode, "step": ctx.step, "run_id": ctx.run_id},
             "id_prefix": f"{mode}-{ctx.step}", "progress": ctx.config.trainer.progress}
 
 

@@ -37,7 +37,7 @@ from agl_core.data import Rollout, Task
 from agl_core.gateway.server import TOKEN_ENV
 from agl_core.gateway.service import check_gateway, set_policy
 from agl_core.plugins import PluginError
-from agl_core.runner import collect
+from agl_core.runner import cancel_abandoned, collect
 from agl_core.store import Store
 
 AGL_HOOK_API = HOOK_API_VERSION
@@ -76,7 +76,7 @@ def on_train_start(ctx):
     check_gateway(cfg.gateway_url, gateway_token(cfg), cfg.connect_timeout_s)
     store = ctx.components.get("store", ctx.config.rollout.store).obj(ctx)
     # Rollouts left unfinished by an earlier trainer have no one waiting for them.
-    store.cancel(None, "abandoned: the trainer that queued it stopped")
+    cancel_abandoned(store, ctx.run_id)
     ctx.state[NAME] = store
 
 

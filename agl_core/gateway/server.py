@@ -63,11 +63,17 @@ class Gateway:
     answer (a field vLLM does not have), else the gateway's
     ``weight_version``, which the runner sets. :meth:`serve` runs it on a
     background thread.
+
+    With ``durable``, a call is answered only once its spans are durable in
+    the store (``store.flush()``): needed when the store is a service that
+    other processes read, since the agent's runner may finish the rollout, and
+    the trainer read it, right after the agent's last call.
     """
 
     def __init__(self, store: Store, config: GatewayConfig | None = None,
-                 sampling: dict[str, Any] | None = None, upstreams: list[str] = (), seed: int | None = None):
-        self.store = store
+                 sampling: dict[str, Any] | None = None, upstreams: list[str] = (), seed: int | None = None,
+                 durable: bool = False):
+        self.store, self.durable = store, durable
         self.config = config or GatewayConfig()
         self.token = self.config.token or os.environ.get(TOKEN_ENV) or None
         require_token_off_loopback("the gateway", self.config.host, self.token,
@@ -206,6 +212,8 @@ class Gateway:
         """Write the call's spans; RequestError 503 when the store cannot (the agent must not train blind)."""
         try:
             self.store.add_spans(spans)
+            if self.durable:
+                self.store.flush()
         except KeyError:  # the rollout ended (timed out) and was consumed while this call was in flight
             log.info("rollout %s was released before its call returned; the call is not recorded", rollout_id)
         except Exception as exc:  # noqa: BLE001 - a store that cannot write fails the call, not the gateway
