@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO (the agents' model calls, the trainer's calls to services): ours stay readable.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         return args.run(args)
     except (ConfigError, PluginError, ValueError) as exc:

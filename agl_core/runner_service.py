@@ -85,8 +85,6 @@ def main(args) -> int:
     except ValueError as exc:
         raise ValueError(f"--agent {args.agent}: {str(exc).removeprefix(f'rollout.agent={args.agent!r}: ')}") \
             from None
-    # The agents' openai clients log every model call at INFO: the runner's own lines must stay readable.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     stop = stop_on_signals()
     store_token = args.store_token or os.environ.get(STORE_TOKEN_ENV) or None
     gateway_token = args.gateway_token or os.environ.get(GATEWAY_TOKEN_ENV) or None
