@@ -49,24 +49,15 @@ class RunnerActor:
         from agl_core.store_client import HttpStore
 
         agent = load_agent(spec.agent)  # a bad agent fails the actor's creation, which the trainer waits for
-        self._error: BaseException | None = None
         store = HttpStore(spec.store_url, token=spec.store_token)
-
-        def serve() -> None:
-            try:
-                # Never stopped: the actor's process ends, its attempts (if any) are left to their leases.
-                serve_runner(store, spec.gateway_url, agent, stop=threading.Event(), workers=spec.workers,
-                             model=spec.model, api_key=spec.gateway_token or "agl", timeout_s=spec.timeout_s,
-                             lease_s=spec.lease_s, timeout_setting="rollout.timeout_s")
-            except BaseException as exc:  # noqa: BLE001 - kept for info() to raise in the trainer
-                self._error = exc
-
-        threading.Thread(target=serve, name="agl-ray-runner", daemon=True).start()
+        # Never stopped: when the process ends, the attempts it was running are left to their leases.
+        threading.Thread(target=serve_runner, name="agl-ray-runner", daemon=True, args=(store, spec.gateway_url, agent),
+                         kwargs={"stop": threading.Event(), "workers": spec.workers, "model": spec.model,
+                                 "api_key": spec.gateway_token or "agl", "timeout_s": spec.timeout_s,
+                                 "lease_s": spec.lease_s, "timeout_setting": "rollout.timeout_s"}).start()
 
     def info(self) -> ActorInfo:
-        """Where this actor runs; raises what stopped its workers, if anything did."""
-        if self._error is not None:
-            raise RuntimeError(f"the runner actor's workers stopped: {self._error!r}") from self._error
+        """Where this actor's process runs."""
         return ActorInfo(ray.get_runtime_context().get_node_id(), os.getpid())
 
 
@@ -93,21 +84,21 @@ class RunnerActors:
         self.restarts = 0
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Return once every actor answers; RuntimeError naming the settings when some never get placed."""
+        """Return once every actor answers; RuntimeError naming the settings or the actor's error otherwise."""
         pending = [h.info.remote() for h in self.handles]
-        done, missing = ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
+        _, missing = ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
         if missing:
             raise RuntimeError(
                 f"{len(missing)} of {len(self.handles)} Ray runner actors were not ready within "
                 f"plugins.ray.start_timeout_s={timeout_s:g} s: the cluster may lack the CPUs they ask for "
                 f"(plugins.ray.num_cpus per actor; cluster resources: {ray.cluster_resources()})")
-        self.pids = [info.pid for info in ray.get(done)]
+        try:
+            self.pids = [info.pid for info in ray.get(pending)]
+        except ray.exceptions.RayActorError as exc:  # its creation failed: the agent, the runtime_env, ...
+            raise RuntimeError(f"a Ray runner actor could not start: {exc}") from None
 
     def health(self, timeout_s: float = 1.0) -> dict[str, float]:
-        """``ray/…`` metrics: actors that answered within ``timeout_s``, and restarts seen since the start.
-
-        An actor whose workers stopped raises here: the run stops with its error.
-        """
+        """``ray/…`` metrics: actors that answered within ``timeout_s``, and restarts (new processes) seen so far."""
         refs = [h.info.remote() for h in self.handles]
         ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         alive = 0

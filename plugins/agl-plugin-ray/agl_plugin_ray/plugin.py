@@ -24,6 +24,7 @@ from agl_core.gateway.server import TOKEN_ENV as GATEWAY_TOKEN_ENV
 from agl_core.gateway.service import check_gateway
 from agl_core.http_rules import POLICY_TOKEN_ENV, is_loopback
 from agl_core.plugins import PluginError
+from agl_core.runner import cancel_abandoned
 from agl_core.store_client import TOKEN_ENV as STORE_TOKEN_ENV
 from agl_core.store_client import HttpStore
 from agl_plugin_ray import services
@@ -110,7 +111,7 @@ def start_runtime(ctx) -> RayRuntime:
         store = HttpStore(store_url, token=store_token, connect_timeout_s=cfg.start_timeout_s)
         cleanup.callback(store.close)
         # Rollouts left unfinished by an earlier trainer (a resumed run's store) have no one waiting for them.
-        store.cancel(None, "abandoned: the trainer that queued it stopped")
+        cancel_abandoned(store, ctx.run_id)
         spec = RunnerSpec(store_url, store_token, gateway_url, gateway_token, rollout.agent, cfg.workers,
                           rollout.model, rollout.timeout_s, rollout.lease_s)
         actors = RunnerActors(cfg, spec)

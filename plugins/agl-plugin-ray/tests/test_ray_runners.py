@@ -136,3 +136,10 @@ def test_a_killed_actor_is_restarted_and_the_step_completes(make_recipe, cluster
     assert (steps[2]["ray/actors_alive"], steps[2]["ray/actor_restarts"]) == (2, 1)
     pids = {annotations(r)[0]["pid"] for r in second}
     assert len(pids) == 2 and killed[0] not in pids  # the restarted actor (a new process) took its share
+
+
+def test_an_agent_the_actors_cannot_load_stops_the_run_at_start_up(make_recipe, cluster, endpoint_url):
+    t, _ = trainer(make_recipe, cluster, endpoint_url, sleep_s=0, overrides=["rollout.agent=ray_agents:missing"])
+    with pytest.raises(RuntimeError, match="could not start(.|\n)*rollout.agent='ray_agents:missing'"):
+        t.fit()
+    assert "ray" not in t.ctx.state and not ray.is_initialized()
