@@ -11,8 +11,10 @@ Fixtures:
     plugin set it asks for.
 
 the contract check :func:`check_plugin`, which loads a plugin object the way
-the CLI does and fails with the plugin manager's message if it is refused, and
-:class:`BatchRecorder`, a pipeline stage that keeps the batches it sees.
+the CLI does and fails with the plugin manager's message if it is refused,
+:class:`BatchRecorder`, a pipeline stage that keeps the batches it sees, and
+:class:`PolicyEndpoints`, which fills the ``policy_endpoints`` slot with given
+URLs (e.g. the test policy endpoint's) for a test of the rollout plane.
 """
 
 from __future__ import annotations
@@ -102,3 +104,19 @@ class BatchRecorder:
     def post_process_batch(self, ctx, batch):
         self.batches.append(batch)
         return batch
+
+
+class PolicyEndpoints:
+    """A stand-in backend for tests of the rollout plane: the policy is served at ``urls`` (``…/v1``).
+
+    Pass it as an extra plugin, e.g. ``("endpoints", PolicyEndpoints([url]))``.
+    """
+
+    AGL_HOOK_API = HOOK_API_VERSION
+
+    def __init__(self, urls: list[str]):
+        self.urls = urls
+
+    @hookimpl
+    def policy_endpoints(self, ctx):
+        return self.urls

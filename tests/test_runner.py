@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from agl_core import HOOK_API_VERSION, emit_reward, hookimpl
+from agl_core import emit_reward
 from agl_core.agents import LLM
 from agl_core.builtin.local_runner import NAME as LOCAL_RUNNER
 from agl_core.builtin.memory_store import MemoryStore
@@ -23,6 +23,7 @@ from agl_core.loop import Trainer
 from agl_core.plugins import PluginError
 from agl_core.runner import LocalRunner, cancel_abandoned, collect
 from agl_core.store import NewRollout
+from agl_core.testing import PolicyEndpoints
 from agl_core.testing_endpoint import ByteTokenizer, TestEndpoint
 
 TASKS = [Task(id=f"t{i}", input={"word": w}) for i, w in enumerate(["apple", "pear", "fig"])]
@@ -203,18 +204,6 @@ def test_collect_ends_the_rollouts_of_a_lost_runner_even_when_no_runner_asks_for
 # ------------------------------------------------------------------ through the plugin hooks
 
 
-class Endpoints:
-    """A stand-in backend slot: where the policy is served."""
-
-    AGL_HOOK_API = HOOK_API_VERSION
-
-    def __init__(self, urls):
-        self.urls = urls
-
-    @hookimpl
-    def policy_endpoints(self, ctx):
-        return self.urls
-
 
 @pytest.fixture
 def agent_module(tmp_path, monkeypatch):
@@ -245,7 +234,7 @@ def trainer(make_recipe, agent, urls, overrides=(), flags=()):
         [f"rollout.agent={agent}", "rollout.n=2", "rollout.n_workers=2", "data.train_batch_size=3",
          "data.max_response_length=5", f"plugins.slots.collect_rollouts={LOCAL_RUNNER}",
          "plugins.slots.policy_endpoints=endpoints", *overrides],
-        plugins=[("endpoints", Endpoints(urls))], flags=["instant", *flags])
+        plugins=[("endpoints", PolicyEndpoints(urls))], flags=["instant", *flags])
     return Trainer(recipe, plugins, train_tasks=TASKS, val_tasks=TASKS)
 
 

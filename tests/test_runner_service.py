@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from agl_core import HOOK_API_VERSION, hookimpl
 from agl_core.builtin.remote_runners import NAME as REMOTE_RUNNERS
 from agl_core.data import Task
 from agl_core.loop import Trainer
@@ -28,6 +27,7 @@ from agl_core.plugins import PluginError, PluginSet
 from agl_core.runner import collect
 from agl_core.store import NewRollout
 from agl_core.store_client import HttpStore
+from agl_core.testing import PolicyEndpoints
 from agl_core.testing_endpoint import ByteTokenizer
 
 TASKS = [Task(id=f"t{i}", input={"word": w}) for i, w in enumerate(["apple", "pear", "fig"])]
@@ -167,18 +167,6 @@ def test_sigterm_stops_leasing_and_lets_the_running_attempts_end(plane):
     assert "stopping: no new rollouts; waiting up to 30 s for the" in (plane.tmp_path / "runner.log").read_text()
 
 
-class Endpoints:
-    """A stand-in backend: the policy is served at ``urls``."""
-
-    AGL_HOOK_API = HOOK_API_VERSION
-
-    def __init__(self, urls):
-        self.urls = urls
-
-    @hookimpl
-    def policy_endpoints(self, ctx):
-        return self.urls
-
 
 def test_a_trainer_collects_through_remote_runners(plane, make_recipe, monkeypatch):
     monkeypatch.syspath_prepend(str(plane.tmp_path))  # rollout.agent names the runners' agent; never imported here
@@ -189,7 +177,7 @@ def test_a_trainer_collects_through_remote_runners(plane, make_recipe, monkeypat
          f"plugins.remote_runners.gateway_url={plane.gateway}", "plugins.slots.policy_endpoints=endpoints",
          f"plugins.slots.collect_rollouts={REMOTE_RUNNERS}",
          "trainer.val_before_train=true", "trainer.total_steps=1"],
-        plugins=[("endpoints", Endpoints([plane.endpoint + "/v1"]))], flags=["instant", "remote_runners"])
+        plugins=[("endpoints", PolicyEndpoints([plane.endpoint + "/v1"]))], flags=["instant", "remote_runners"])
     t = Trainer(recipe, plugins, train_tasks=TASKS, val_tasks=TASKS)
     metrics = t.fit()
     logged = [json.loads(line) for line in (t.ctx.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -218,7 +206,7 @@ def test_remote_runners_without_a_gateway_url_is_a_start_up_error(make_recipe):
     recipe, plugins = make_recipe(["rollout.agent=remote_agents:echo", "data.train_batch_size=3",
                                    "plugins.slots.policy_endpoints=endpoints",
                                    f"plugins.slots.collect_rollouts={REMOTE_RUNNERS}"],
-                                  plugins=[("endpoints", Endpoints(["http://127.0.0.1:9/v1"]))],
+                                  plugins=[("endpoints", PolicyEndpoints(["http://127.0.0.1:9/v1"]))],
                                   flags=["instant", "remote_runners"])
     with pytest.raises(PluginError, match="plugins.remote_runners.gateway_url is not set"):
         Trainer(recipe, plugins, train_tasks=TASKS, val_tasks=[]).fit()

@@ -18,28 +18,15 @@ import ray
 from ray.cluster_utils import Cluster
 
 import agl_plugin_ray.plugin as ray_plugin
-from agl_core import HOOK_API_VERSION, hookimpl
 from agl_core.data import Task
 from agl_core.loop import Trainer
 from agl_core.plugins import PluginSet
-from agl_core.testing import BatchRecorder, check_plugin
+from agl_core.testing import BatchRecorder, PolicyEndpoints, check_plugin
 from agl_core.testing_endpoint import TestEndpoint
 
 HERE = Path(__file__).resolve().parent
 WORDS = ["apple", "pear", "fig", "plum"]
 
-
-class Endpoints:
-    """Fills the policy_endpoints slot with the test endpoint."""
-
-    AGL_HOOK_API = HOOK_API_VERSION
-
-    def __init__(self, urls):
-        self.urls = urls
-
-    @hookimpl
-    def policy_endpoints(self, ctx):
-        return self.urls
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +55,7 @@ def trainer(make_recipe, cluster, endpoint_url, sleep_s, overrides=()):
          "plugins.slots.collect_rollouts=ray", "plugins.slots.policy_endpoints=endpoints",
          f"plugins.ray.address={cluster.address}", "plugins.ray.actors_per_node=1", "plugins.ray.num_cpus=0.25",
          "plugins.ray.workers=2", f"plugins.ray.runtime_env.env_vars.PYTHONPATH={HERE}", *overrides],
-        plugins=[("endpoints", Endpoints([endpoint_url])), ("recorder", recorder)], flags=["instant", "ray"])
+        plugins=[("endpoints", PolicyEndpoints([endpoint_url])), ("recorder", recorder)], flags=["instant", "ray"])
     tasks = [Task(id=f"t{i}", input={"word": w, "sleep_s": sleep_s}) for i, w in enumerate(WORDS)]
     return Trainer(recipe, plugins, train_tasks=tasks, val_tasks=[]), recorder
 
