@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import socket
 import ssl
 import threading
@@ -62,6 +61,7 @@ import httptools
 from pydantic import BaseModel, ConfigDict
 
 from agl_core.data import Rollout, Span, Task
+from agl_core.span_batcher import SpanBatcher
 from agl_core.store import Attempt, AttemptState, NewRollout
 
 TOKEN_ENV = "AGL_STORE_TOKEN"
@@ -115,7 +115,9 @@ class HttpStore:
         self._connections: weakref.WeakSet[_Connection] = weakref.WeakSet()
         self._connections_lock = threading.Lock()
         self._closed = False
-        self._uploader = _SpanUploader(self, batch_size, batch_bytes, max_pending)
+        self._batch_bytes = batch_bytes
+        self._uploader = SpanBatcher(self._upload, self._upload_failure, name="agl-store-span-uploader",
+                                     batch_size=batch_size, max_pending=max_pending)
         self._uploader.start()
 
     # ------------------------------------------------------------ the wire
@@ -258,6 +260,22 @@ class HttpStore:
     def flush(self) -> None:
         self._uploader.flush()
 
+    def _upload(self, spans: list[Span]) -> None:
+        """Send ``spans`` (the uploader's thread), in requests of about ``batch_bytes`` each, retried until
+        acknowledged: the service answers once they are in its file."""
+        parts, size = [], 0
+        for span in spans:
+            parts.append(span.model_dump_json().encode())
+            size += len(parts[-1])
+            if size >= self._batch_bytes:
+                self._call("add_spans", b'{"spans":[' + b",".join(parts) + b"]}")
+                parts, size = [], 0
+        if parts:
+            self._call("add_spans", b'{"spans":[' + b",".join(parts) + b"]}")
+
+    def _upload_failure(self, error: BaseException) -> str:
+        return f"spans cannot be uploaded to the store service at {self.url}: {error}"
+
     # ------------------------------------------------------------ reading
 
     def wait(self, rollout_ids: Sequence[str], timeout_s: float) -> set[str]:
@@ -342,65 +360,6 @@ class _Answer:
 
     def on_message_complete(self) -> None:
         self.complete = True
-
-
-class _SpanUploader(threading.Thread):
-    """Uploads queued spans in batches, each retried until acknowledged (see the module docstring)."""
-
-    def __init__(self, store: HttpStore, batch_size: int, batch_bytes: int, max_pending: int):
-        super().__init__(name="agl-store-span-uploader", daemon=True)
-        self.store, self.batch_size, self.batch_bytes = store, batch_size, batch_bytes
-        self.pending: queue.Queue[Span | None] = queue.Queue(maxsize=max_pending)
-        self.done = threading.Condition()
-        self.added = self.acknowledged = 0
-        self.error: BaseException | None = None
-
-    def put(self, spans: Sequence[Span]) -> None:
-        self._raise_error()
-        with self.done:
-            self.added += len(spans)
-        for span in spans:
-            self.pending.put(span)
-
-    def flush(self) -> None:
-        with self.done:
-            target = self.added
-            while self.acknowledged < target and self.error is None:
-                self.done.wait(1.0)
-        self._raise_error()
-
-    def _raise_error(self) -> None:
-        if self.error is not None:
-            raise RuntimeError(f"spans cannot be uploaded to the store service at {self.store.url}: "
-                               f"{self.error}") from self.error
-
-    def stop(self) -> None:
-        if self.is_alive():
-            self.pending.put(None)  # after every queued span: they are uploaded first
-            self.join()
-
-    def run(self) -> None:
-        while True:
-            parts, size, last = [], 0, self.pending.get()
-            while last is not None:
-                parts.append(last.model_dump_json().encode())
-                size += len(parts[-1])
-                if len(parts) >= self.batch_size or size >= self.batch_bytes:
-                    break
-                try:
-                    last = self.pending.get_nowait()
-                except queue.Empty:
-                    break
-            if parts and self.error is None:
-                try:
-                    self.store._call("add_spans", b'{"spans":[' + b",".join(parts) + b"]}")
-                except BaseException as exc:  # surfaced by every later put/flush instead of a silent loss
-                    self.error = exc
-            with self.done:
-                self.acknowledged += len(parts)
-                self.done.notify_all()
-            if last is None:
-                return
 
 
 def _message(raw: bytes) -> str:

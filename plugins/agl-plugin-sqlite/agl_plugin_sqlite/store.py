@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import queue
 import sqlite3
 import threading
 import time
@@ -39,6 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from agl_core.data import Rollout, Span, Task
+from agl_core.span_batcher import SpanBatcher
 from agl_core.store import (FAILED, QUEUING, RUNNING, TERMINAL, Attempt, AttemptState, NewRollout,
                             lease_expired_error)
 
@@ -122,11 +122,12 @@ class SqliteStore:
         self._closed = False
         try:
             self._open()
-            writer_connection = self._new_connection()
+            self._writer_connection = self._new_connection()
         except (OSError, sqlite3.Error, ValueError) as exc:
             self._close_connections()
             raise self._unusable(exc) from None
-        self._writer = _SpanWriter(writer_connection, batch_size, max_pending, self.path)
+        self._writer = SpanBatcher(self._insert_spans, self._write_failure, name="agl-sqlite-span-writer",
+                                   batch_size=batch_size, max_pending=max_pending)
         self._writer.start()
 
     def _open(self) -> None:
@@ -321,6 +322,16 @@ class SqliteStore:
     def add_spans(self, spans: Sequence[Span]) -> None:
         self._writer.put(spans)
 
+    def _insert_spans(self, spans: list[Span]) -> None:
+        """One transaction on the writer's connection (the span writer's thread); a span already there is kept."""
+        with _Immediate(self._writer_connection) as conn:
+            conn.executemany("INSERT OR IGNORE INTO spans (rollout_id, attempt_id, sequence_id, kind, span) "
+                             "VALUES (?, ?, ?, ?, ?)",
+                             [(s.rollout_id, s.attempt_id, s.sequence_id, s.kind, s.model_dump_json()) for s in spans])
+
+    def _write_failure(self, error: BaseException) -> str:
+        return f"spans cannot be written to the SQLite store {self.path}: {type(error).__name__}: {error}"
+
     def flush(self) -> None:
         self._writer.flush()
 
@@ -385,7 +396,7 @@ class SqliteStore:
         if self._closed:
             return
         try:
-            self._writer.stop()
+            self._writer.stop(timeout_s=30)
         finally:
             self._close_connections()
             self._sequence.clear()
@@ -476,67 +487,3 @@ class _Immediate:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.conn.execute("COMMIT" if exc_type is None else "ROLLBACK")
-
-
-class _SpanWriter(threading.Thread):
-    """Inserts queued spans in batches of up to ``batch_size``, one transaction per batch.
-
-    The first failed insert is kept as :attr:`error` (the thread prints
-    nothing); from then on queued spans are dropped, and :meth:`put` and
-    :meth:`flush` raise it, naming the file.
-    """
-
-    def __init__(self, conn: sqlite3.Connection, batch_size: int, max_pending: int, path: Path):
-        super().__init__(name="agl-sqlite-span-writer", daemon=True)
-        self.conn, self.batch_size, self.path = conn, batch_size, path
-        self.pending: queue.Queue[Span | None] = queue.Queue(maxsize=max_pending)
-        self.done = threading.Condition()
-        self.added = self.written = 0
-        self.error: BaseException | None = None
-
-    def put(self, spans: Sequence[Span]) -> None:
-        self._raise_error()
-        with self.done:
-            self.added += len(spans)
-        for span in spans:
-            self.pending.put(span)
-
-    def flush(self) -> None:
-        with self.done:
-            target = self.added
-            while self.written < target and self.error is None:
-                self.done.wait(1.0)
-        self._raise_error()
-
-    def _raise_error(self) -> None:
-        if self.error is not None:
-            raise RuntimeError(f"spans cannot be written to the SQLite store {self.path}: "
-                               f"{type(self.error).__name__}: {self.error}") from self.error
-
-    def stop(self) -> None:
-        self.pending.put(None)  # after every queued span: they are written first
-        self.join(30)
-
-    def run(self) -> None:
-        while True:
-            batch = [self.pending.get()]
-            while len(batch) < self.batch_size and batch[-1] is not None:
-                try:
-                    batch.append(self.pending.get_nowait())
-                except queue.Empty:
-                    break
-            spans = [span for span in batch if span is not None]
-            try:
-                if spans and self.error is None:
-                    with _Immediate(self.conn) as conn:
-                        conn.executemany("INSERT OR IGNORE INTO spans (rollout_id, attempt_id, sequence_id, kind, "
-                                         "span) VALUES (?, ?, ?, ?, ?)",
-                                         [(s.rollout_id, s.attempt_id, s.sequence_id, s.kind, s.model_dump_json())
-                                          for s in spans])
-            except BaseException as exc:  # surfaced by every later put/flush instead of a silent loss
-                self.error = exc
-            with self.done:
-                self.written += len(spans)
-                self.done.notify_all()
-            if batch[-1] is None:
-                return

@@ -1,0 +1,63 @@
+"""SpanBatcher: spans written in batches on its thread, flush waits for them, the first failure sticks."""
+
+import threading
+
+import pytest
+
+from agl_core.data import Span
+from agl_core.span_batcher import SpanBatcher
+
+
+def span(i: int) -> Span:
+    return Span(rollout_id="r", attempt_id="1", sequence_id=i, kind="annotation")
+
+
+def test_spans_are_written_in_batches_and_flush_waits_for_them():
+    gate, batches = threading.Event(), []
+
+    def write(spans):
+        gate.wait(10)  # the first batch holds the thread while more spans queue up
+        batches.append([s.sequence_id for s in spans])
+
+    batcher = SpanBatcher(write, str, name="test-batcher", batch_size=3, max_pending=100)
+    batcher.start()
+    batcher.put([span(0)])
+    batcher.put([span(i) for i in range(1, 8)])
+    gate.set()
+    batcher.flush()
+    assert sorted(i for batch in batches for i in batch) == list(range(8))
+    assert all(len(batch) <= 3 for batch in batches) and len(batches) >= 3
+    batcher.stop(timeout_s=10)
+    assert not batcher.is_alive()
+
+
+def test_the_first_failure_sticks_and_later_spans_are_not_written():
+    written = []
+
+    def write(spans):
+        if spans[0].sequence_id == 1:
+            raise OSError("disk full")
+        written.extend(s.sequence_id for s in spans)
+
+    batcher = SpanBatcher(write, lambda error: f"cannot write to X: {error}", name="test-batcher", batch_size=1,
+                          max_pending=100)
+    batcher.start()
+    batcher.put([span(0)])
+    batcher.flush()
+    batcher.put([span(1)])
+    with pytest.raises(RuntimeError, match="cannot write to X: disk full"):
+        batcher.flush()
+    with pytest.raises(RuntimeError, match="disk full"):
+        batcher.put([span(2)])
+    batcher.stop(timeout_s=10)
+    assert written == [0]
+
+
+def test_stop_writes_what_is_queued_first():
+    written = []
+    batcher = SpanBatcher(lambda spans: written.extend(s.sequence_id for s in spans), str, name="test-batcher",
+                          batch_size=2, max_pending=100)
+    batcher.start()
+    batcher.put([span(i) for i in range(5)])
+    batcher.stop(timeout_s=10)
+    assert written == [0, 1, 2, 3, 4]
