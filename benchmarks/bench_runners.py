@@ -48,13 +48,13 @@ from agl_plugin_sqlite import SqliteStore
 from bench_learning import read_records
 from openai import DefaultHttpxClient, OpenAI
 
-from agl_core import HOOK_API_VERSION, hookimpl
 from agl_core.builtin import local_runner
 from agl_core.config import load
 from agl_core.data import Span, Task
 from agl_core.loop import Trainer
 from agl_core.store import NewRollout
 from agl_core.store_client import HttpStore
+from agl_core.testing import PolicyEndpoints
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
@@ -100,25 +100,13 @@ def _timed(fn, *args) -> float:
 # ---------------------------------------------------------------- 1. throughput
 
 
-class Endpoints:
-    """Fills the policy_endpoints slot with the test endpoint."""
-
-    AGL_HOOK_API = HOOK_API_VERSION
-
-    def __init__(self, urls: list[str]):
-        self.urls = urls
-
-    @hookimpl
-    def policy_endpoints(self, ctx):
-        return self.urls
-
-
 def context(run_dir: Path, endpoint_url: str, runner: list[str], flags: list[str], tasks):
     """The TrainContext of a run whose collect_rollouts is ``runner``'s, on the instant backend."""
     overrides = [f"trainer.run_dir={run_dir}", "trainer.progress=false", f"rollout.agent={AGENT}", "rollout.n=1",
                  f"data.train_batch_size={len(tasks)}", "rollout.store=sqlite", "trainer.val_before_train=false",
                  "plugins.slots.policy_endpoints=endpoints", *runner]
-    recipe, plugins = load(None, overrides, ["instant", *flags], extra_plugins=[("endpoints", Endpoints([endpoint_url]))])
+    recipe, plugins = load(None, overrides, ["instant", *flags],
+                           extra_plugins=[("endpoints", PolicyEndpoints([endpoint_url]))])
     run_dir.mkdir(parents=True)
     return Trainer(recipe, plugins, train_tasks=tasks, val_tasks=[]).ctx
 
