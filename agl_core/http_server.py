@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import importlib.util
+import signal
 import socket
 import threading
 import time
@@ -89,3 +90,10 @@ class ServerThread:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+
+def stop_on_signals() -> threading.Event:
+    """An event that SIGINT and SIGTERM set: a service's main thread waits on it, then closes cleanly."""
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    return stop

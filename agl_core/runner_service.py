@@ -36,7 +36,8 @@ from collections.abc import Callable
 from agl_core.agents import LLM, load_agent
 from agl_core.gateway.server import TOKEN_ENV as GATEWAY_TOKEN_ENV
 from agl_core.gateway.server import Gateway
-from agl_core.gateway.service import check_gateway, check_service, stop_on_signals
+from agl_core.gateway.service import check_gateway, check_service
+from agl_core.http_server import stop_on_signals
 from agl_core.runner import LocalRunner
 from agl_core.store import Store
 

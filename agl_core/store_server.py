@@ -63,8 +63,6 @@ import gc
 import json
 import logging
 import os
-import signal
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -78,7 +76,7 @@ from starlette.routing import Route
 from agl_core.data import Span, Task
 from agl_core.http_rules import (RequestError, check_bearer, error_response, health_response, parse_json_object,
                                  read_body, require_token_off_loopback)
-from agl_core.http_server import ServerThread
+from agl_core.http_server import ServerThread, stop_on_signals
 from agl_core.store import NewRollout, Store
 from agl_core.store_client import TOKEN_ENV, UNKNOWN_ROLLOUT, Rollouts
 
@@ -296,8 +294,7 @@ def main(args) -> int:
     token = args.token or os.environ.get(TOKEN_ENV) or None
     require_token_off_loopback("the store service", args.host, token, f"--token (or ${TOKEN_ENV})")
     store = SqliteStore(args.db, reserve_sequence_ids=RESERVE_SEQUENCE_IDS)
-    stop = threading.Event()
-    previous = {signum: signal.signal(signum, lambda *_: stop.set()) for signum in (signal.SIGINT, signal.SIGTERM)}
+    stop = stop_on_signals()
     service = StoreService(store, token)
     try:
         server = ServerThread(service.app, args.host, args.port, name="the store service", setting="--port")
@@ -311,7 +308,5 @@ def main(args) -> int:
             server.stop()  # lets the requests in flight finish
     finally:
         service.close()
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
         store.close()
     return 0

@@ -21,8 +21,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import signal
-import threading
 import time
 from typing import Any
 
@@ -32,6 +30,7 @@ from pydantic import ValidationError
 from agl_core.config import ConfigError, GatewayConfig
 from agl_core.gateway.server import ADMIN_POLICY, TOKEN_ENV, Gateway
 from agl_core.http_rules import require_token_off_loopback
+from agl_core.http_server import stop_on_signals
 
 log = logging.getLogger("agl_core.gateway.service")
 STORE_CONNECT_TIMEOUT_S = 60.0
@@ -86,14 +85,6 @@ def gateway_config(items: list[str], **flags: Any) -> GatewayConfig:
         name = str(err["loc"][0])
         where = f"--{name}" if name in FLAGGED else f"--config {name}={settings.get(name)}"
         raise ConfigError(f"{where}: {err['msg']}") from None
-
-
-def stop_on_signals() -> threading.Event:
-    """An event that SIGINT and SIGTERM set: a service's main thread waits on it, then closes cleanly."""
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
-    return stop
 
 
 # ---------------------------------------------------------------- clients
