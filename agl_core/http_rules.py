@@ -69,13 +69,18 @@ def require_token_off_loopback(what: str, host: str, token: str | None, setting:
 POLICY_TOKEN_ENV = "AGL_POLICY_TOKEN"
 
 
+def token_from(configured: str | None, env: str) -> str | None:
+    """A server's or client's bearer token: ``configured``, else the environment variable ``env``, else None."""
+    return configured or os.environ.get(env) or None
+
+
 def policy_token(configured: str | None) -> str | None:
     """The bearer token between the gateway and the policy servers: ``configured``, else ``$AGL_POLICY_TOKEN``.
 
     The gateway sends it and a policy server requires it; both sides read it
     here, so the environment variable alone configures both.
     """
-    return configured or os.environ.get(POLICY_TOKEN_ENV) or None
+    return token_from(configured, POLICY_TOKEN_ENV)
 
 
 def has_bearer(request: Request, token: str | None) -> bool:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import threading
 from collections.abc import Callable
 
@@ -37,6 +36,7 @@ from agl_core.agents import LLM, load_agent
 from agl_core.gateway.server import TOKEN_ENV as GATEWAY_TOKEN_ENV
 from agl_core.gateway.server import Gateway
 from agl_core.gateway.service import check_gateway, check_service
+from agl_core.http_rules import token_from
 from agl_core.http_server import stop_on_signals
 from agl_core.runner import LocalRunner
 from agl_core.store import Store
@@ -87,8 +87,8 @@ def main(args) -> int:
         raise ValueError(f"--agent {args.agent}: {str(exc).removeprefix(f'rollout.agent={args.agent!r}: ')}") \
             from None
     stop = stop_on_signals()
-    store_token = args.store_token or os.environ.get(STORE_TOKEN_ENV) or None
-    gateway_token = args.gateway_token or os.environ.get(GATEWAY_TOKEN_ENV) or None
+    store_token = token_from(args.store_token, STORE_TOKEN_ENV)
+    gateway_token = token_from(args.gateway_token, GATEWAY_TOKEN_ENV)
     store = HttpStore(args.store, store_token, connect_timeout_s=args.connect_timeout_s)
     try:
         check_service(args.store, store_token, args.connect_timeout_s, "the store service")

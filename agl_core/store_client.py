@@ -47,7 +47,6 @@ by URL: ``HttpStore("http://10.0.0.5:8765", token=...)``, or the recipe's
 from __future__ import annotations
 
 import json
-import os
 import socket
 import ssl
 import threading
@@ -61,6 +60,7 @@ import httptools
 from pydantic import BaseModel, ConfigDict
 
 from agl_core.data import Rollout, Span, Task
+from agl_core.http_rules import token_from
 from agl_core.span_batcher import SpanBatcher
 from agl_core.store import Attempt, AttemptState, NewRollout
 
@@ -106,7 +106,7 @@ class HttpStore:
             raise ValueError(f"the store service URL {url!r} has a bad port: {exc}") from None
         self.url = url.rstrip("/")
         self.connect_timeout_s = connect_timeout_s
-        token = token or os.environ.get(TOKEN_ENV) or None
+        token = token_from(token, TOKEN_ENV)
         self._address = (parts.hostname, port or (443 if parts.scheme == "https" else 80))
         self._tls = ssl.create_default_context() if parts.scheme == "https" else None
         self._headers = (f"Host: {parts.netloc}\r\nContent-Type: application/json\r\n"

@@ -62,7 +62,6 @@ import asyncio
 import gc
 import json
 import logging
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -75,7 +74,7 @@ from starlette.routing import Route
 
 from agl_core.data import Span, Task
 from agl_core.http_rules import (RequestError, check_bearer, error_response, health_response, parse_json_object,
-                                 read_body, require_token_off_loopback)
+                                 read_body, require_token_off_loopback, token_from)
 from agl_core.http_server import ServerThread, stop_on_signals
 from agl_core.store import NewRollout, Store
 from agl_core.store_client import TOKEN_ENV, UNKNOWN_ROLLOUT, Rollouts
@@ -291,7 +290,7 @@ def main(args) -> int:
     except ImportError as exc:
         raise ValueError(f"agl serve store keeps its rollouts in SQLite: pip install agl-plugin-sqlite "
                          f"({exc})") from None
-    token = args.token or os.environ.get(TOKEN_ENV) or None
+    token = token_from(args.token, TOKEN_ENV)
     require_token_off_loopback("the store service", args.host, token, f"--token (or ${TOKEN_ENV})")
     store = SqliteStore(args.db, reserve_sequence_ids=RESERVE_SEQUENCE_IDS)
     stop = stop_on_signals()

@@ -26,7 +26,6 @@ gateway (the Ray runners).
 
 from __future__ import annotations
 
-import os
 
 from pydantic import Field
 
@@ -36,6 +35,7 @@ from agl_core.config import Section
 from agl_core.data import Rollout, Task
 from agl_core.gateway.server import TOKEN_ENV
 from agl_core.gateway.service import check_gateway, set_policy
+from agl_core.http_rules import token_from
 from agl_core.plugins import PluginError
 from agl_core.runner import cancel_abandoned, collect
 from agl_core.store import Store
@@ -94,7 +94,7 @@ def on_train_end(ctx):
 
 
 def gateway_token(cfg: RemoteRunnersConfig) -> str | None:
-    return cfg.gateway_token or os.environ.get(TOKEN_ENV) or None
+    return token_from(cfg.gateway_token, TOKEN_ENV)
 
 
 def collect_step(ctx, store: Store, gateway_url: str, gateway_token: str | None, tasks: list[Task],

@@ -27,7 +27,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import time
 from typing import Any
 
@@ -43,7 +42,7 @@ from agl_core.gateway.capture import CHAT, COMPLETIONS, Captured, ask_for_tokens
 from agl_core.gateway.upstream import Forwarded, Upstreams, post_with_retries
 from agl_core.http_rules import (INT64_MAX, RequestError, check_bearer, check_sampling, error_response,
                                  health_response, integer, parse_json_object, policy_token, read_body,
-                                 require_token_off_loopback)
+                                 require_token_off_loopback, token_from)
 from agl_core.http_server import ServerThread
 from agl_core.store import AttemptState, Store
 
@@ -75,7 +74,7 @@ class Gateway:
                  durable: bool = False):
         self.store, self.durable = store, durable
         self.config = config or GatewayConfig()
-        self.token = self.config.token or os.environ.get(TOKEN_ENV) or None
+        self.token = token_from(self.config.token, TOKEN_ENV)
         require_token_off_loopback("the gateway", self.config.host, self.token,
                                    f"rollout.gateway.token (or ${TOKEN_ENV})")
         self.upstream_token = policy_token(self.config.upstream_token)

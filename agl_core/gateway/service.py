@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from typing import Any
 
@@ -29,7 +28,7 @@ from pydantic import ValidationError
 
 from agl_core.config import ConfigError, GatewayConfig
 from agl_core.gateway.server import ADMIN_POLICY, TOKEN_ENV, Gateway
-from agl_core.http_rules import require_token_off_loopback
+from agl_core.http_rules import require_token_off_loopback, token_from
 from agl_core.http_server import stop_on_signals
 
 log = logging.getLogger("agl_core.gateway.service")
@@ -47,10 +46,10 @@ def main(args) -> int:
     from agl_core.store_client import HttpStore
 
     config = gateway_config(args.config, host=args.host, port=args.port, token=args.token)
-    require_token_off_loopback("the gateway", config.host, config.token or os.environ.get(TOKEN_ENV),
+    require_token_off_loopback("the gateway", config.host, token_from(config.token, TOKEN_ENV),
                                f"--token (or ${TOKEN_ENV})")
     stop = stop_on_signals()
-    store_token = args.store_token or os.environ.get(STORE_TOKEN_ENV) or None
+    store_token = token_from(args.store_token, STORE_TOKEN_ENV)
     check_service(args.store, store_token, STORE_CONNECT_TIMEOUT_S, "the store service")
     store = HttpStore(args.store, store_token)
     try:
