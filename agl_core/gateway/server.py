@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -50,6 +51,27 @@ TOKEN_ENV = "AGL_GATEWAY_TOKEN"
 log = logging.getLogger("agl_core.gateway")
 PREFIX = "/rollout/{rollout_id}/attempt/{attempt_id}/v1"
 ADMIN_POLICY = "/v1/admin/policy"
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The policy server's answer to a recorded call: its ``status``, ``response`` parsed, ``raw`` as it came."""
+
+    status: int
+    response: dict[str, Any]
+    raw: bytes
+
+
+class CallFailed(RequestError):
+    """A call the policy server gave no usable answer to (its span is recorded as errored).
+
+    ``raw`` is the policy server's own error body when it answered one (a
+    4xx/5xx after retries), else None.
+    """
+
+    def __init__(self, status: int, message: str, raw: bytes | None = None):
+        super().__init__(status, message)
+        self.raw = raw
 
 
 class Gateway:
@@ -146,45 +168,78 @@ class Gateway:
         rollout_id, attempt_id = request.path_params["rollout_id"], request.path_params["attempt_id"]
         try:
             check_bearer(request, self.token)
-            body = self._parse(endpoint, await read_body(request, self.config.max_body_bytes,
-                                                         "rollout.gateway.max_body_bytes",
-                                                         self.config.body_timeout_s))
-            # The store may block (a SQLite read, a lock held by a writer): never on the event loop.
-            state, sequence_ids = await asyncio.to_thread(self._admit, rollout_id, attempt_id, body.get("n") or 1)
+            body = parse_json_object(await read_body(request, self.config.max_body_bytes,
+                                                     "rollout.gateway.max_body_bytes",
+                                                     self.config.body_timeout_s))
+            if body.get("stream"):
+                raise RequestError(400, "streaming is not supported by the agl_core gateway yet: "
+                                        "call with stream=false")
+            answer = await self.call(rollout_id, attempt_id, endpoint, body)
+        except CallFailed as exc:
+            if exc.raw is not None:  # the policy server's own error answer, passed on as it came
+                return Response(exc.raw, exc.status, media_type="application/json")
+            return error_response(exc.status, str(exc))
         except RequestError as exc:
             return error_response(exc.status, str(exc))
+        return Response(answer.raw, answer.status, media_type="application/json")
+
+    # ------------------------------------------------------------ the call
+
+    async def call(self, rollout_id: str, attempt_id: str, endpoint: str, body: dict[str, Any]) -> Answer:
+        """Perform one model call of a running attempt and record its span(s): the entry point of every API.
+
+        ``endpoint`` is :data:`CHAT` or :data:`COMPLETIONS`; ``body`` the
+        OpenAI request of that endpoint as a dict (``stream`` is ignored: the
+        call is made whole). It is checked here (:meth:`check_request`), the
+        attempt admitted, the request forwarded to the rollout's policy server
+        with token ids and log-probs asked for (and the gateway's default
+        sampling and call seed added), and one ``llm_call`` span per choice
+        written to the store: the same spans whatever API the agent used.
+
+        Returns the policy server's OpenAI-shaped :class:`Answer` (its token
+        fields included). Raises :class:`RequestError` when the call is
+        refused, with nothing written: 400 naming a bad field, 404 unknown
+        rollout, 409 attempt not running; or 503 when the store cannot record
+        it. Raises :class:`CallFailed` when the policy server gave no usable
+        answer (its status, or 502/503/504); an errored span is written.
+        Translations of other APIs (Anthropic Messages, OpenAI Responses) call
+        this with the chat request they translate to and turn the answer or
+        the error into their own shapes.
+        """
+        self.check_request(endpoint, body)
+        # The store may block (a SQLite read, a lock held by a writer): never on the event loop.
+        state, sequence_ids = await asyncio.to_thread(self._admit, rollout_id, attempt_id, body.get("n") or 1)
         start = time.time()
         upstream = self.upstreams.pick(rollout_id)
         if upstream is None:
             forwarded = Forwarded(503, b"", 0, "the gateway has no policy server to forward to")
         else:
             url = f"{upstream}/{endpoint.replace('.', '/')}"
-            upstream_body = self._upstream_body(endpoint, body)
-            if self.seed is not None:
-                upstream_body.setdefault("seed", call_seed(self.seed, state.metadata, rollout_id, attempt_id,
-                                                           sequence_ids[0]))
-            payload = json.dumps(upstream_body).encode()
+            payload = json.dumps(self._upstream_body(endpoint, body, state, rollout_id, attempt_id,
+                                                     sequence_ids[0])).encode()
             forwarded = await post_with_retries(self._session, url, payload,
                                                 self.config.max_retries, self.config.retry_backoff_s)
-        common = {"endpoint": endpoint, "upstream": upstream, "status_code": forwarded.status,
-                  "upstream_tries": forwarded.tries, "weight_version": self.weight_version,
-                  "agent_name": state.metadata.get("agent_name")}
-        spans = _spans(rollout_id, attempt_id, sequence_ids, endpoint, body, forwarded, common, start, time.time())
-        try:
-            await asyncio.to_thread(self._record, rollout_id, spans)
-        except RequestError as exc:
-            return error_response(exc.status, str(exc))
+        common = self._span_attributes(endpoint, upstream, forwarded.status, forwarded.tries, state)
+        spans, response = _spans(rollout_id, attempt_id, sequence_ids, endpoint, body, forwarded, common,
+                                 start, time.time())
+        await asyncio.to_thread(self._record, rollout_id, spans)
         if forwarded.error is not None:
-            return error_response(forwarded.status, forwarded.error)
-        return Response(forwarded.body, forwarded.status, media_type="application/json")
+            raise CallFailed(forwarded.status, forwarded.error)
+        if forwarded.status >= 400:
+            raise CallFailed(forwarded.status, f"the policy server answered {forwarded.status}", forwarded.body)
+        if response is None:
+            raise CallFailed(502, spans[0].attributes["error"])
+        return Answer(forwarded.status, response, forwarded.body)
+
+    def _span_attributes(self, endpoint: str, upstream: str | None, status: int, tries: int,
+                         state: AttemptState) -> dict[str, Any]:
+        return {"endpoint": endpoint, "upstream": upstream, "status_code": status, "upstream_tries": tries,
+                "weight_version": self.weight_version, "agent_name": state.metadata.get("agent_name")}
 
     # ------------------------------------------------------------ checks
 
-    def _parse(self, endpoint: str, raw: bytes) -> dict[str, Any]:
-        """The request body as a dict, or the RequestError that says what is wrong with it."""
-        body = parse_json_object(raw)
-        if body.get("stream"):
-            raise RequestError(400, "streaming is not supported by the agl_core gateway yet: call with stream=false")
+    def check_request(self, endpoint: str, body: dict[str, Any]) -> None:
+        """RequestError 400 naming what is wrong with an OpenAI request ``body`` of ``endpoint``."""
         if endpoint == CHAT:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
@@ -192,7 +247,6 @@ class Gateway:
         elif not isinstance(body.get("prompt"), str):
             raise RequestError(400, "'prompt' must be a string (token-id and batched prompts are not supported)")
         check_sampling(body, max_n=self.config.max_n, logprobs_key="top_logprobs" if endpoint == CHAT else "logprobs")
-        return body
 
     def _admit(self, rollout_id: str, attempt_id: str, n: int) -> tuple[AttemptState, list[int]]:
         """The running attempt's state and a sequence id per choice; RequestError when the attempt is not running."""
@@ -221,12 +275,16 @@ class Gateway:
                 log.error("the store cannot record model calls: %s", exc)
             raise RequestError(503, f"the gateway cannot record this call: {exc}") from None
 
-    def _upstream_body(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _upstream_body(self, endpoint: str, body: dict[str, Any], state: AttemptState, rollout_id: str,
+                       attempt_id: str, sequence_id: int) -> dict[str, Any]:
+        """What goes upstream: ``body`` asking for token ids, with the default sampling and the call seed added."""
         out = ask_for_tokens(endpoint, body)
         for key, value in self.sampling.items():
             if key == "max_tokens" and "max_completion_tokens" in out:
                 continue
             out.setdefault(key, value)
+        if self.seed is not None:
+            out.setdefault("seed", call_seed(self.seed, state.metadata, rollout_id, attempt_id, sequence_id))
         return out
 
 
@@ -273,8 +331,9 @@ def call_seed(run_seed: int, metadata: dict[str, Any], rollout_id: str, attempt_
 
 
 def _spans(rollout_id: str, attempt_id: str, sequence_ids: list[int], endpoint: str, request: dict[str, Any],
-           forwarded: Forwarded, attributes: dict[str, Any], start: float, end: float) -> list[Span]:
-    """One span per choice of a successful answer; one errored span otherwise.
+           forwarded: Forwarded, attributes: dict[str, Any], start: float,
+           end: float) -> tuple[list[Span], dict[str, Any] | None]:
+    """One span per choice of a successful answer, one errored span otherwise; and the answer parsed (None if not JSON).
 
     What is stored grows linearly with ``n``: the request is stored once, on
     the first span (the others point at it with ``request_sequence_id``), and
@@ -300,7 +359,7 @@ def _spans(rollout_id: str, attempt_id: str, sequence_ids: list[int], endpoint: 
     if error is not None:
         attrs = {**attributes, "request": request, "response": response, "error": error}
         return [Span(rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=sequence_ids[0], kind="llm_call",
-                     attributes=attrs, start_time=start, end_time=end)]
+                     attributes=attrs, start_time=start, end_time=end)], response
     spans = []
     recorded = without_token_fields(response)
     choices = recorded.get("choices") or []
@@ -314,4 +373,4 @@ def _spans(rollout_id: str, attempt_id: str, sequence_ids: list[int], endpoint: 
                           prompt_token_ids=choice.prompt_token_ids, response_token_ids=choice.response_token_ids,
                           response_logprobs=choice.response_logprobs, attributes=attrs,
                           start_time=start, end_time=end))
-    return spans
+    return spans, response
