@@ -69,6 +69,14 @@ class PolicyLossConfig(Section):
     kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
 
 
+class RolloutCorrectionConfig(Section):
+    """Importance weights between the policy that served the rollouts and the trainer's old policy (verl's names)."""
+
+    rollout_is: Literal["token"] | None = Field(None, description="token: truncated importance sampling (TIS), "
+                                                                  "a weight per response token; None: off")
+    rollout_is_threshold: float = Field(2.0, gt=0, description="the cap of a TIS weight")
+
+
 class AlgorithmConfig(Section):
     estimator: str = Field("grpo", description="a registered advantage estimator")
     gamma: float = 1.0
@@ -80,6 +88,7 @@ class AlgorithmConfig(Section):
     policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
     ppo_mini_batch_size: int = Field(8, ge=1, description="rows per PPO mini-batch")
     ppo_epochs: int = Field(1, ge=1)
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
 
     @field_validator("estimator")
     @classmethod
@@ -88,7 +97,19 @@ class AlgorithmConfig(Section):
         return name.replace("++", "_plus_plus").replace("-", "_")
 
 
+class AsyncConfig(Section):
+    """``trainer.async``: the next steps' rollouts are collected while the backend computes and updates."""
+
+    max_staleness: int = Field(0, ge=0, description="k: a step trains on rollouts served by weights at most k "
+                                                    "updates older than the trainer's (0: synchronous, no overlap)")
+    drain_timeout_s: float = Field(60.0, gt=0, description="at a weight sync, how long the gateway waits for the "
+                                                           "calls in flight to finish before the weights change")
+
+
 class TrainerConfig(Section):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True,
+                              serialize_by_alias=True)
+
     project_name: str = "agl"
     experiment_name: str = "default"
     run_dir: str = Field("runs/default", description="metrics, config and checkpoints of the run")
@@ -108,6 +129,7 @@ class TrainerConfig(Section):
     critic_warmup: int = Field(0, ge=0, description="steps that update only the critic")
     balance_batch: bool = True
     progress: bool = True
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
 
 
 class SamplingConfig(Section):
@@ -323,12 +345,12 @@ def explain(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> s
 def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
     """Names of the fields of the (nested) model reached by ``loc``."""
     for part in loc:
-        field = model.model_fields.get(str(part))
+        field = next((f for n, f in model.model_fields.items() if (f.alias or n) == str(part)), None)
         annotation = getattr(field, "annotation", None)
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return []
         model = annotation
-    return list(model.model_fields)
+    return [f.alias or n for n, f in model.model_fields.items()]  # a key the recipe writes (trainer.async)
 
 
 def _hooks(kind: str) -> list[str]:

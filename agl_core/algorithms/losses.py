@@ -141,6 +141,7 @@ def ppo_clip_loss(
     loss_agg_mode: str = "token-mean",
     *,
     global_batch_info: Mapping[str, Any] | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate (Schulman et al. 2017) with dual clip (Ye et al. 2020).
 
@@ -159,6 +160,9 @@ def ppo_clip_loss(
         global_batch_info: optional ``agg_loss`` keyword arguments (dp_size,
             batch_num_tokens, global_batch_size, loss_scale_factor), as verl's
             ``ActorConfig.global_batch_info``.
+        rollout_is_weights: optional (B, T) importance weights of the off-policy
+            correction (:func:`agl_core.algorithms.rollout_correction.tis_weights`),
+            multiplying each token's loss before aggregation.
 
     Returns:
         ``(pg_loss, metrics)``: a 0-dim tensor and floats under the keys
@@ -167,7 +171,7 @@ def ppo_clip_loss(
         ``pg_clipfrac_lower`` (share of tokens where the dual clip applied).
         verl reports the same numbers under ``actor/<key>``; the caller adds the prefix.
 
-    Matches ``compute_policy_loss_vanilla`` of verl 0.9.1 (without rollout IS weights).
+    Matches ``compute_policy_loss_vanilla`` of verl 0.9.1, with or without rollout IS weights.
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"dual-clip bound clip_ratio_c must be > 1, got {clip_ratio_c}")
@@ -183,6 +187,8 @@ def ppo_clip_loss(
     dual_bound = -advantages * clip_ratio_c
     negative = advantages < 0
     per_token = torch.where(negative, torch.minimum(clipped_loss, dual_bound), clipped_loss)
+    if rollout_is_weights is not None:
+        per_token = per_token * rollout_is_weights
 
     pg_loss = agg_loss(per_token, response_mask, loss_agg_mode, **(global_batch_info or {}))
     metrics = {

@@ -59,13 +59,16 @@ def register_policy_losses(register):
     register("vanilla", vanilla_policy_loss)
 
 
-def vanilla_policy_loss(old_log_prob, log_prob, advantages, response_mask, config):
-    """The policy loss ``vanilla``: the PPO clipped objective with the recipe's ``algorithm.policy_loss`` bounds."""
+def vanilla_policy_loss(old_log_prob, log_prob, advantages, response_mask, config, rollout_is_weights=None):
+    """The policy loss ``vanilla``: the PPO clipped objective with the recipe's ``algorithm.policy_loss`` bounds.
+
+    ``rollout_is_weights`` (per token) are the off-policy correction's, when ``algorithm.rollout_correction`` is on.
+    """
     return ppo_clip_loss(
         old_log_prob, log_prob, advantages, response_mask,
         clip_ratio=config.clip_ratio, clip_ratio_low=config.clip_ratio_low,
         clip_ratio_high=config.clip_ratio_high, clip_ratio_c=config.clip_ratio_c,
-        loss_agg_mode=config.loss_agg_mode,
+        loss_agg_mode=config.loss_agg_mode, rollout_is_weights=rollout_is_weights,
     )
 
 

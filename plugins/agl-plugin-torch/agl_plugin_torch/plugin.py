@@ -126,6 +126,7 @@ class TorchBackend:
         policy_loss = ctx.components.get("policy_loss", algorithm.policy_loss.name).obj
         keys = ROW_INPUTS + ["old_log_probs", "advantages"] + (["ref_log_prob"] if algorithm.policy_loss.use_kl_loss
                                                                 else [])
+        keys += ["rollout_is_weights"] if "rollout_is_weights" in batch else []
         rows = on_device(batch, keys, backend.actor.device)
         with backend.lock:
             metrics = training.update_actor(backend.actor, backend.actor_optim, backend.actor_sched, rows,

@@ -119,7 +119,10 @@ def update_actor(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         log_prob, entropy = response_logprobs(model, micro["input_ids"], micro["attention_mask"],
                                               micro["position_ids"], micro["responses"],
                                               with_entropy=loss_cfg.entropy_coeff != 0)
-        pg_loss, metrics = policy_loss(micro["old_log_probs"], log_prob, micro["advantages"], mask, loss_cfg)
+        # Only a run with the off-policy correction on passes weights: any registered loss serves the others.
+        weighted = {"rollout_is_weights": micro["rollout_is_weights"]} if "rollout_is_weights" in micro else {}
+        pg_loss, metrics = policy_loss(micro["old_log_probs"], log_prob, micro["advantages"], mask, loss_cfg,
+                                       **weighted)
         metrics = {"actor/pg_loss": pg_loss.item(), **{f"actor/{k}": float(v) for k, v in metrics.items()}}
         loss = pg_loss
         if entropy is not None:
