@@ -15,6 +15,8 @@ the CLI does and fails with the plugin manager's message if it is refused,
 :class:`BatchRecorder`, a pipeline stage that keeps the batches it sees, and
 :class:`PolicyEndpoints`, which fills the ``policy_endpoints`` slot with given
 URLs (e.g. the test policy endpoint's) for a test of the rollout plane.
+
+The contract suite a plugin's tests subclass is :mod:`agl_core.testing.contracts`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+
+# The contract classes assert in agl_core's module: pytest rewrites their asserts as it does a test file's.
+pytest.register_assert_rewrite("agl_core.testing.contracts")
 
 from agl_core import HOOK_API_VERSION, hookimpl
 from agl_core.config import Recipe, load
