@@ -41,6 +41,7 @@ from agl_core.config import GatewayConfig
 from agl_core.data import Span
 from agl_core.gateway.capture import CHAT, COMPLETIONS, Captured, ask_for_tokens, capture, without_token_fields
 from agl_core.gateway.upstream import Forwarded, Upstreams, post_with_retries
+from agl_core.gateway.weight_sync import CallGate
 from agl_core.http_rules import (INT64_MAX, RequestError, check_bearer, check_sampling, error_response,
                                  health_response, integer, parse_json_object, policy_token, read_body,
                                  require_token_off_loopback, token_from)
@@ -104,6 +105,7 @@ class Gateway:
         self.upstreams = Upstreams(list(upstreams))
         self.seed = seed
         self.weight_version: int | None = None
+        self.calls = CallGate()  # paused around weight syncs
         self._store_failed = False  # logged once: every later call would say the same
         self._session: aiohttp.ClientSession | None = None
         self.app = Starlette(
@@ -209,17 +211,20 @@ class Gateway:
         self.check_request(endpoint, body)
         # The store may block (a SQLite read, a lock held by a writer): never on the event loop.
         state, sequence_ids = await asyncio.to_thread(self._admit, rollout_id, attempt_id, body.get("n") or 1)
-        start = time.time()
-        upstream = self.upstreams.pick(rollout_id)
-        if upstream is None:
-            forwarded = Forwarded(503, b"", 0, "the gateway has no policy server to forward to")
-        else:
-            url = f"{upstream}/{endpoint.replace('.', '/')}"
-            payload = json.dumps(self._upstream_body(endpoint, body, state, rollout_id, attempt_id,
-                                                     sequence_ids[0])).encode()
-            forwarded = await post_with_retries(self._session, url, payload,
-                                                self.config.max_retries, self.config.retry_backoff_s)
-        common = self._span_attributes(endpoint, upstream, forwarded.status, forwarded.tries, state)
+        # A weight sync holds new calls here and lets those in flight finish first (weight_sync.CallGate), so
+        # the version read at admission is the one that serves the call, whenever its span is written.
+        async with self.calls.admitted():
+            start, weight_version = time.time(), self.weight_version
+            upstream = self.upstreams.pick(rollout_id)
+            if upstream is None:
+                forwarded = Forwarded(503, b"", 0, "the gateway has no policy server to forward to")
+            else:
+                url = f"{upstream}/{endpoint.replace('.', '/')}"
+                payload = json.dumps(self._upstream_body(endpoint, body, state, rollout_id, attempt_id,
+                                                         sequence_ids[0])).encode()
+                forwarded = await post_with_retries(self._session, url, payload,
+                                                    self.config.max_retries, self.config.retry_backoff_s)
+        common = self._span_attributes(endpoint, upstream, forwarded.status, forwarded.tries, state, weight_version)
         spans, response = _spans(rollout_id, attempt_id, sequence_ids, endpoint, body, forwarded, common,
                                  start, time.time())
         await asyncio.to_thread(self._record, rollout_id, spans)
@@ -232,9 +237,9 @@ class Gateway:
         return Answer(forwarded.status, response, forwarded.body)
 
     def _span_attributes(self, endpoint: str, upstream: str | None, status: int, tries: int,
-                         state: AttemptState) -> dict[str, Any]:
+                         state: AttemptState, weight_version: int | None) -> dict[str, Any]:
         return {"endpoint": endpoint, "upstream": upstream, "status_code": status, "upstream_tries": tries,
-                "weight_version": self.weight_version, "agent_name": state.metadata.get("agent_name")}
+                "weight_version": weight_version, "agent_name": state.metadata.get("agent_name")}
 
     # ------------------------------------------------------------ checks
 
