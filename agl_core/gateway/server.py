@@ -39,8 +39,11 @@ from starlette.routing import Route
 
 from agl_core.config import GatewayConfig
 from agl_core.data import Span
+from agl_core.gateway.api_routes import TranslatedApis
 from agl_core.gateway.capture import CHAT, COMPLETIONS, Captured, ask_for_tokens, capture, without_token_fields
-from agl_core.gateway.upstream import Forwarded, Upstreams, post_with_retries
+from agl_core.gateway.streaming import (EVENT_STREAM, CallStream, EventStreamResponse, chunks_of, dumps,
+                                       include_usage, iterate, sse_payloads)
+from agl_core.gateway.upstream import Forwarded, Opened, Upstreams, open_with_retries, post_with_retries
 from agl_core.gateway.weight_sync import CallGate
 from agl_core.http_rules import (INT64_MAX, RequestError, check_bearer, check_sampling, error_response,
                                  health_response, integer, parse_json_object, policy_token, read_body,
@@ -108,9 +111,12 @@ class Gateway:
         self.calls = CallGate()  # paused around weight syncs
         self._store_failed = False  # logged once: every later call would say the same
         self._session: aiohttp.ClientSession | None = None
+        self.translated = TranslatedApis(self)  # /v1/messages and /v1/responses, over self.call
         self.app = Starlette(
             routes=[Route(f"{PREFIX}/chat/completions", self._chat, methods=["POST"]),
                     Route(f"{PREFIX}/completions", self._completions, methods=["POST"]),
+                    Route(f"{PREFIX}/messages", self.translated.messages, methods=["POST"]),
+                    Route(f"{PREFIX}/responses", self.translated.responses, methods=["POST"]),
                     Route(ADMIN_POLICY, self._set_policy, methods=["PUT"]),
                     Route("/healthz", self._health, methods=["GET"])],
             lifespan=self._lifespan)
@@ -174,8 +180,7 @@ class Gateway:
                                                      "rollout.gateway.max_body_bytes",
                                                      self.config.body_timeout_s))
             if body.get("stream"):
-                raise RequestError(400, "streaming is not supported by the agl_core gateway yet: "
-                                        "call with stream=false")
+                return EventStreamResponse(await self.open_stream(rollout_id, attempt_id, endpoint, body))
             answer = await self.call(rollout_id, attempt_id, endpoint, body)
         except CallFailed as exc:
             if exc.raw is not None:  # the policy server's own error answer, passed on as it came
@@ -235,6 +240,84 @@ class Gateway:
         if response is None:
             raise CallFailed(502, spans[0].attributes["error"])
         return Answer(forwarded.status, response, forwarded.body)
+
+    async def open_stream(self, rollout_id: str, attempt_id: str, endpoint: str,
+                          body: dict[str, Any]) -> CallStream:
+        """Start one streamed model call of a running attempt: :meth:`call`'s streamed twin.
+
+        Checked, admitted and forwarded as :meth:`call` does (with
+        ``stream: true`` upstream), and refused or failed with the same
+        errors, raised before any chunk: nothing is sent to the agent yet.
+        Returns the :class:`~agl_core.gateway.streaming.CallStream` of the
+        upstream's chunks (OpenAI ``chat.completion.chunk`` or
+        ``text_completion`` objects). Where the upstream streams (vLLM, the
+        embedded backend, the test endpoint) each chunk is relayed as it comes,
+        token ids included; where it answered the stream request whole, its
+        answer is cut into chunks (:func:`~agl_core.gateway.streaming.chunks_of`).
+
+        The caller iterates the stream, then must ``await stream.close()``
+        (in a ``finally``): that records the call's span(s), assembled from
+        the chunks by the same code as a non-streamed answer (identical token
+        ids and log-probs), and holds the call in the weight-sync gate until
+        then. A stream closed before its end (the agent went away) is
+        recorded with ``attributes["incomplete"] = True``: counted, never
+        trained on. ``stream.record_error`` says when the store could not
+        record it.
+        """
+        self.check_request(endpoint, body)
+        state, sequence_ids = await asyncio.to_thread(self._admit, rollout_id, attempt_id, body.get("n") or 1)
+        held = contextlib.AsyncExitStack()
+        await held.enter_async_context(self.calls.admitted())
+        start, weight_version = time.time(), self.weight_version
+        upstream = self.upstreams.pick(rollout_id)
+        try:
+            if upstream is None:
+                opened: Opened | Forwarded = Forwarded(503, b"", 0, "the gateway has no policy server to forward to")
+            else:
+                url = f"{upstream}/{endpoint.replace('.', '/')}"
+                upstream_body = self._upstream_body(endpoint, body, state, rollout_id, attempt_id, sequence_ids[0])
+                upstream_body["stream"] = True
+                opened = await open_with_retries(self._session, url, json.dumps(upstream_body).encode(),
+                                                 self.config.max_retries, self.config.retry_backoff_s)
+            if isinstance(opened, Opened) and opened.response.content_type != EVENT_STREAM:
+                # The upstream answered the stream request whole: read it; it is streamed back in chunks.
+                async with opened.response as whole:
+                    opened = Forwarded(whole.status, await whole.read(), opened.tries)
+        except BaseException:
+            await held.aclose()
+            raise
+        if isinstance(opened, Forwarded):
+            status, tries = opened.status, opened.tries
+            response, error = _parsed(opened)
+            if error is not None:
+                await held.aclose()
+                common = self._span_attributes(endpoint, upstream, status, tries, state, weight_version)
+                spans = _answer_spans(rollout_id, attempt_id, sequence_ids, endpoint, body, response, error, common,
+                                      start, time.time())
+                await asyncio.to_thread(self._record, rollout_id, spans)
+                raise CallFailed(status, error, opened.body if opened.error is None and status >= 400 else None)
+            payloads = iterate([dumps(chunk) for chunk in chunks_of(endpoint, response, include_usage(body))])
+            release = None
+        else:
+            status, tries = opened.response.status, opened.tries
+            payloads, release = sse_payloads(opened.response.content), opened.response.release
+        common = self._span_attributes(endpoint, upstream, status, tries, state, weight_version)
+
+        async def on_close(stream: CallStream) -> None:
+            await held.aclose()
+            response = stream.assembly.response() if stream.assembly.chunks else None
+            error = stream.error or (None if response is not None else "the policy server's stream had no chunk")
+            spans = _answer_spans(rollout_id, attempt_id, sequence_ids, endpoint, body, response, error, common,
+                                  start, time.time())
+            if not stream.ended and stream.error is None:  # the agent stopped reading: not a whole answer
+                for span in spans:
+                    span.attributes["incomplete"] = True
+            try:
+                await asyncio.to_thread(self._record, rollout_id, spans)
+            except RequestError as exc:
+                stream.record_error = str(exc)
+
+        return CallStream(endpoint, payloads, on_close, release)
 
     def _span_attributes(self, endpoint: str, upstream: str | None, status: int, tries: int,
                          state: AttemptState, weight_version: int | None) -> dict[str, Any]:
@@ -345,8 +428,14 @@ def _spans(rollout_id: str, attempt_id: str, sequence_ids: list[int], endpoint: 
     each choice's span holds the answer with its own choice only. Every span
     keeps its prompt token ids: each choice is a row a trace aggregator trains on.
     """
+    response, error = _parsed(forwarded)
+    return _answer_spans(rollout_id, attempt_id, sequence_ids, endpoint, request, response, error, attributes,
+                         start, end), response
+
+
+def _parsed(forwarded: Forwarded) -> tuple[Any, str | None]:
+    """The upstream's answer parsed, and the error that makes it unusable (None when it is a JSON success)."""
     response: Any = None
-    captured: list[Captured] = []
     error = forwarded.error
     if error is None:
         try:
@@ -355,6 +444,14 @@ def _spans(rollout_id: str, attempt_id: str, sequence_ids: list[int], endpoint: 
             error = f"the policy server answered {forwarded.status} with a body that is not JSON"
     if error is None and forwarded.status >= 400:
         error = f"the policy server answered {forwarded.status}"
+    return response, error
+
+
+def _answer_spans(rollout_id: str, attempt_id: str, sequence_ids: list[int], endpoint: str, request: dict[str, Any],
+                  response: Any, error: str | None, attributes: dict[str, Any], start: float,
+                  end: float) -> list[Span]:
+    """The spans of a call whose answer is ``response`` (parsed), or that failed with ``error`` (see :func:`_spans`)."""
+    captured: list[Captured] = []
     if error is None:
         captured = capture(endpoint, response)
         if not captured:
@@ -364,7 +461,7 @@ def _spans(rollout_id: str, attempt_id: str, sequence_ids: list[int], endpoint: 
     if error is not None:
         attrs = {**attributes, "request": request, "response": response, "error": error}
         return [Span(rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=sequence_ids[0], kind="llm_call",
-                     attributes=attrs, start_time=start, end_time=end)], response
+                     attributes=attrs, start_time=start, end_time=end)]
     spans = []
     recorded = without_token_fields(response)
     choices = recorded.get("choices") or []
@@ -378,4 +475,4 @@ def _spans(rollout_id: str, attempt_id: str, sequence_ids: list[int], endpoint: 
                           prompt_token_ids=choice.prompt_token_ids, response_token_ids=choice.response_token_ids,
                           response_logprobs=choice.response_logprobs, attributes=attrs,
                           start_time=start, end_time=end))
-    return spans, response
+    return spans

@@ -1,0 +1,136 @@
+"""The gateway's routes for the APIs it translates to chat: Anthropic's ``/v1/messages``, OpenAI's ``/v1/responses``.
+
+Each route reads the body (the gateway's token and body limits), translates
+it to a chat request (:mod:`agl_core.gateway.anthropic`,
+:mod:`agl_core.gateway.responses`), makes the call through
+:meth:`Gateway.call <agl_core.gateway.server.Gateway.call>` (the checks,
+admission, forwarding and spans of every chat call: a trace aggregator sees
+the same spans whatever API the agent used), and answers in the API's own
+shape, errors included. A streamed request is answered from the whole chat
+answer: the policy server's answer is taken whole and then sent as the API's
+event sequence.
+
+The responses of each running attempt are kept for ``previous_response_id``
+(:class:`~agl_core.gateway.responses.ResponseMemory`, bounded); every
+``SWEEP_S`` seconds the attempts that ended are looked up in the store and
+their responses dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from agl_core.gateway import anthropic, responses
+from agl_core.gateway.capture import CHAT
+from agl_core.gateway.translate import require, upstream_error_message
+from agl_core.http_rules import RequestError, check_bearer, error_response, parse_json_object, read_body
+
+if TYPE_CHECKING:
+    from agl_core.gateway.server import Gateway
+
+log = logging.getLogger("agl_core.gateway")
+
+SWEEP_S = 10.0
+"""How often the responses of ended attempts are looked for and dropped."""
+
+EVENT_STREAM = "text/event-stream"
+
+
+class TranslatedApis:
+    """The ``/v1/messages`` and ``/v1/responses`` endpoints of ``gateway``, and the responses kept for them."""
+
+    def __init__(self, gateway: Gateway, memory: responses.ResponseMemory | None = None):
+        self.gateway = gateway
+        self.memory = memory or responses.ResponseMemory()
+        self._sweeper: asyncio.Task | None = None
+
+    async def messages(self, request: Request) -> Response:
+        """``POST …/v1/messages``: an Anthropic Messages call, answered whole or as Anthropic's events."""
+        rollout_id, attempt_id = request.path_params["rollout_id"], request.path_params["attempt_id"]
+        try:
+            body = await self._body(request, anthropic_key=True)
+            stream = anthropic.wants_stream(body)
+            answer = await self.gateway.call(rollout_id, attempt_id, CHAT, anthropic.chat_request(body))
+        except RequestError as exc:
+            raw = getattr(exc, "raw", None)
+            message = upstream_error_message(raw, exc.status) if raw is not None else str(exc)
+            return JSONResponse(anthropic.error_body(exc.status, message), status_code=exc.status)
+        out = anthropic.message(answer.response, body["model"])
+        if stream:
+            return StreamingResponse(_frames(anthropic.message_events(out)), media_type=EVENT_STREAM)
+        return JSONResponse(out)
+
+    async def responses(self, request: Request) -> Response:
+        """``POST …/v1/responses``: an OpenAI Responses call, answered whole or as the Responses events."""
+        rollout_id, attempt_id = request.path_params["rollout_id"], request.path_params["attempt_id"]
+        attempt = (rollout_id, attempt_id)
+        self._start_sweeper()
+        try:
+            body = await self._body(request)
+            stream = responses.wants_stream(body)
+            previous = body.get("previous_response_id")
+            history = [] if previous is None else self.memory.conversation(
+                attempt, require(previous, str, "previous_response_id", "a string"))
+            chat, added = responses.chat_request(body, history)
+            answer = await self.gateway.call(rollout_id, attempt_id, CHAT, chat)
+        except RequestError as exc:
+            raw = getattr(exc, "raw", None)
+            if raw is not None:  # the policy server's own error answer, already in OpenAI's shape
+                return Response(raw, exc.status, media_type="application/json")
+            return error_response(exc.status, str(exc))
+        out = responses.response(answer.response, body)
+        self.memory.add(attempt, out["id"], responses.Stored(previous, (*added,
+                                                                        responses.answer_message(answer.response))))
+        if stream:
+            return StreamingResponse(_frames(responses.response_events(out)), media_type=EVENT_STREAM)
+        return JSONResponse(out)
+
+    async def _body(self, request: Request, anthropic_key: bool = False) -> dict[str, Any]:
+        """The JSON body, once the caller showed the gateway's token (``anthropic_key``: also as ``x-api-key``)."""
+        config, token = self.gateway.config, self.gateway.token
+        key = request.headers.get("x-api-key") if anthropic_key else None
+        # The anthropic SDK sends its api_key as x-api-key (its auth_token as a bearer token): either is the token.
+        if key is None or token is None or not hmac.compare_digest(key.encode(), token.encode()):
+            check_bearer(request, token)
+        return parse_json_object(await read_body(request, config.max_body_bytes, "rollout.gateway.max_body_bytes",
+                                                 config.body_timeout_s))
+
+    # ------------------------------------------------------------ ended attempts
+
+    def _start_sweeper(self) -> None:
+        # Started on the serving loop by its first Responses call; it ends with that loop.
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            held = self.memory.attempts()
+            if held:
+                for attempt in await asyncio.to_thread(self._ended, held):
+                    self.memory.drop(attempt)
+
+    def _ended(self, attempts: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """The attempts among ``attempts`` that are no longer running (the store may block: a worker thread)."""
+        ended = []
+        for rollout_id, attempt_id in attempts:
+            try:
+                state = self.gateway.store.attempt_state(rollout_id, attempt_id)
+            except Exception as exc:  # noqa: BLE001 - a store that fails now is asked again at the next sweep
+                log.debug("cannot look up attempt %s of rollout %s: %s", attempt_id, rollout_id, exc)
+                continue
+            if state is None or not state.current:
+                ended.append((rollout_id, attempt_id))
+        return ended
+
+
+async def _frames(frames: Iterator[bytes]):
+    for frame in frames:
+        yield frame

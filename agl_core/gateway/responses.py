@@ -1,0 +1,328 @@
+"""The OpenAI Responses API (``POST /v1/responses``) as one OpenAI chat completion, and its answer back.
+
+The subset the OpenAI Agents SDK uses: ``input`` (a string, or items:
+messages with text parts, ``function_call`` and ``function_call_output``),
+``instructions``, function ``tools`` and ``tool_choice``,
+``previous_response_id`` within a rollout attempt, streamed and not. The
+gateway translates a request into the chat request the policy understands
+(:func:`chat_request`), makes that chat call exactly as for an agent that
+called ``chat/completions`` (same checks, same span with the same token ids),
+and translates the answer into a response (:func:`response`) or its event
+stream (:func:`response_events`). :class:`ResponseMemory` keeps the responses
+of the running attempts, so a call may continue one with
+``previous_response_id``.
+
+What maps to what:
+
+- ``instructions`` → a first ``system`` message (not carried over from a
+  previous response, as OpenAI does);
+- message items (``{"role", "content"}``, with or without ``type:
+  "message"``): ``developer`` → ``system``; text parts (``input_text``,
+  ``output_text``) joined with nothing between them;
+- ``function_call`` items → ``tool_calls`` of an assistant message (with the
+  text of an assistant message just before them); ``function_call_output``
+  items → ``tool`` messages; ``reasoning`` items are dropped (the policy does
+  not think aloud);
+- function ``tools`` → chat ``tools``; ``tool_choice`` as it is (a named
+  function in chat's form); ``parallel_tool_calls``, ``temperature``,
+  ``top_p``, ``max_output_tokens`` (→ ``max_tokens``), ``top_logprobs``,
+  ``seed`` (not OpenAI's, sent with ``extra_body``) as they are;
+- fields that change nothing the policy samples (``include``, ``store``,
+  ``metadata``, ``truncation``, ``reasoning``, ``prompt_cache_key``, …) are
+  accepted and ignored; others (``conversation``, ``background``, hosted tools,
+  images, a ``text.format`` other than text) are a 400 naming them.
+
+An answer cut at ``max_output_tokens`` is ``status: "incomplete"`` with
+``incomplete_details.reason: "max_output_tokens"``, as OpenAI answers (the
+Agents SDK raises ``ModelBehaviorError`` on it). Errors have OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from agl_core.gateway.translate import first_choice, new_id, refuse_unknown, require, server_sent_event, usage_of
+from agl_core.http_rules import RequestError
+
+API = "openai.responses"
+
+TRANSLATED = frozenset({"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
+                        "temperature", "top_p", "max_output_tokens", "top_logprobs", "previous_response_id",
+                        "stream", "stream_options", "text", "seed"})
+IGNORED = frozenset({"include", "store", "metadata", "truncation", "reasoning", "prompt_cache_key",
+                     "prompt_cache_retention", "prompt_cache_options", "service_tier", "user", "safety_identifier",
+                     "context_management", "max_tool_calls"})
+"""Fields that change nothing the policy samples: accepted so that agents setting them run unchanged."""
+
+TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+
+
+def wants_stream(body: dict[str, Any]) -> bool:
+    """Whether the request asks for the event stream; RequestError 400 when ``stream`` is not a boolean."""
+    return bool(require(body.get("stream", False), bool, "stream", "a boolean"))
+
+
+# ---------------------------------------------------------------- memory
+
+
+@dataclass(frozen=True)
+class Stored:
+    """What a response adds to its conversation: the new input messages and the answer's message."""
+
+    previous_response_id: str | None
+    messages: tuple[dict[str, Any], ...]
+
+
+class ResponseMemory:
+    """The responses of the running attempts, for ``previous_response_id``; bounded, dropped per attempt.
+
+    At most ``max_attempts`` attempts are held (the least recently used one is
+    dropped first) and ``max_responses`` responses per attempt (the oldest
+    first); the gateway drops an attempt's responses once the attempt ended
+    (:meth:`drop`). A response is found only within its own attempt, so one
+    rollout never continues another's conversation. Each response stores only
+    the messages it added, so a conversation's memory grows linearly with its
+    length. Used from the gateway's event loop only (not thread-safe).
+    """
+
+    def __init__(self, max_attempts: int = 4096, max_responses: int = 256):
+        self.max_attempts, self.max_responses = max_attempts, max_responses
+        self._attempts: OrderedDict[tuple[str, str], OrderedDict[str, Stored]] = OrderedDict()
+
+    def add(self, attempt: tuple[str, str], response_id: str, stored: Stored) -> None:
+        held = self._attempts.get(attempt)
+        if held is None:
+            held = self._attempts[attempt] = OrderedDict()
+            while len(self._attempts) > self.max_attempts:
+                self._attempts.popitem(last=False)
+        self._attempts.move_to_end(attempt)
+        held[response_id] = stored
+        while len(held) > self.max_responses:
+            held.popitem(last=False)
+
+    def conversation(self, attempt: tuple[str, str], response_id: str) -> list[dict[str, Any]]:
+        """The chat messages of ``response_id`` and the responses before it, oldest first.
+
+        RequestError 400 naming ``previous_response_id`` when it is not a
+        response of this attempt (or no longer held).
+        """
+        held = self._attempts.get(attempt) or {}
+        chain: list[Stored] = []
+        current: str | None = response_id
+        while current is not None:
+            stored = held.get(current)
+            if stored is None:
+                raise RequestError(400, f"'previous_response_id': no response {current!r:.80} in this rollout "
+                                        f"attempt (responses are kept for the attempt that made them, the last "
+                                        f"{self.max_responses} of each)")
+            chain.append(stored)
+            current = stored.previous_response_id
+        return [message for stored in reversed(chain) for message in stored.messages]
+
+    def attempts(self) -> list[tuple[str, str]]:
+        """The attempts whose responses are held."""
+        return list(self._attempts)
+
+    def drop(self, attempt: tuple[str, str]) -> None:
+        """Forget the responses of ``attempt`` (it ended)."""
+        self._attempts.pop(attempt, None)
+
+
+# ---------------------------------------------------------------- request
+
+
+def chat_request(body: dict[str, Any], history: list[dict[str, Any]] = ()) -> tuple[dict[str, Any], list[dict]]:
+    """The chat request a Responses request asks for, and the messages its ``input`` adds to the conversation.
+
+    ``history`` holds the messages of the ``previous_response_id`` chain
+    (:meth:`ResponseMemory.conversation`). RequestError 400 naming the first bad field.
+    """
+    refuse_unknown(body, TRANSLATED | IGNORED)
+    require(body.get("model"), str, "model", "a string")
+    added = _input_messages(body.get("input"))
+    messages = list(history) + added
+    if body.get("instructions") is not None:
+        messages.insert(0, {"role": "system", "content": require(body["instructions"], str, "instructions",
+                                                                 "a string")})
+    if not messages:
+        raise RequestError(400, "'input' must not be empty")
+    out: dict[str, Any] = {"model": body["model"], "messages": messages}
+    for key in ("temperature", "top_p", "top_logprobs", "seed", "parallel_tool_calls"):
+        if body.get(key) is not None:
+            out[key] = body[key]
+    if body.get("max_output_tokens") is not None:
+        out["max_tokens"] = body["max_output_tokens"]
+    if body.get("tools"):
+        out["tools"] = [_tool(tool, f"tools[{i}]")
+                        for i, tool in enumerate(require(body["tools"], list, "tools", "a list of tools"))]
+    if body.get("tool_choice") is not None:
+        out["tool_choice"] = _tool_choice(body["tool_choice"])
+    text = body.get("text")
+    if text is not None:
+        kind = (require(text, dict, "text", "an object").get("format") or {}).get("type", "text")
+        if kind != "text":
+            raise RequestError(400, f"'text.format.type' {kind!r:.80} is not supported: the policy answers text")
+    return out, added
+
+
+def _input_messages(items: Any) -> list[dict[str, Any]]:
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    require(items, list, "input", "a string or a list of input items")
+    out: list[dict[str, Any]] = []
+    for index, item in enumerate(items):
+        where = f"input[{index}]"
+        require(item, dict, where, "an input item")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise RequestError(400, f"'{where}.role' must be 'user', 'assistant', 'system' or 'developer', "
+                                        f"got {role!r:.80}")
+            out.append({"role": "system" if role == "developer" else role,
+                        "content": _text(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            call = {"id": require(item.get("call_id"), str, f"{where}.call_id", "a string"), "type": "function",
+                    "function": {"name": require(item.get("name"), str, f"{where}.name", "a string"),
+                                 "arguments": require(item.get("arguments", ""), str, f"{where}.arguments",
+                                                      "a string")}}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)  # one assistant turn: its text and its calls
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": require(item.get("call_id"), str, f"{where}.call_id",
+                                                                "a string"),
+                        "content": _text(item.get("output", ""), f"{where}.output")})
+        elif kind == "reasoning":
+            continue
+        else:
+            raise RequestError(400, f"'{where}.type' {kind!r:.80} is not supported (the policy reads messages, "
+                                    f"function_call and function_call_output items)")
+    return out
+
+
+def _text(content: Any, where: str) -> str:
+    """The text of a string or a list of text parts."""
+    if isinstance(content, str):
+        return content
+    parts = require(content, list, where, "a string or a list of text parts")
+    texts = []
+    for index, part in enumerate(parts):
+        require(part, dict, f"{where}[{index}]", "a content part")
+        if part.get("type") not in TEXT_PARTS:
+            raise RequestError(400, f"'{where}[{index}].type' {part.get('type')!r:.80} is not supported "
+                                    f"(the policy reads text parts)")
+        texts.append(require(part.get("text"), str, f"{where}[{index}].text", "a string"))
+    return "".join(texts)
+
+
+def _tool(tool: Any, where: str) -> dict[str, Any]:
+    require(tool, dict, where, "a tool object")
+    if tool.get("type") != "function":
+        raise RequestError(400, f"'{where}.type' {tool.get('type')!r:.80} is not supported: only function tools "
+                                f"reach the policy")
+    function = {"name": require(tool.get("name"), str, f"{where}.name", "a string"),
+                "parameters": require(tool.get("parameters") or {"type": "object", "properties": {}}, dict,
+                                      f"{where}.parameters", "a JSON schema")}
+    if tool.get("description") is not None:
+        function["description"] = require(tool["description"], str, f"{where}.description", "a string")
+    return {"type": "function", "function": function}
+
+
+def _tool_choice(choice: Any) -> Any:
+    if choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": require(choice.get("name"), str, "tool_choice.name",
+                                                                 "a string")}}
+    raise RequestError(400, f"'tool_choice' must be 'auto', 'none', 'required' or a function, got {choice!r:.80}")
+
+
+# ---------------------------------------------------------------- answer
+
+
+def response(answer: dict[str, Any], request: dict[str, Any], response_id: str | None = None) -> dict[str, Any]:
+    """The Responses object of a chat completion (its first choice), for ``request`` (the Responses body)."""
+    choice = first_choice(answer)
+    output: list[dict[str, Any]] = []
+    cut = choice["finish_reason"] == "length"
+    if choice["text"] or not choice["tool_calls"]:
+        output.append({"type": "message", "id": new_id("msg_"), "status": "incomplete" if cut else "completed",
+                       "role": "assistant",
+                       "content": [{"type": "output_text", "text": choice["text"], "annotations": [], "logprobs": []}]})
+    for call in choice["tool_calls"]:
+        function = call.get("function") or {}
+        output.append({"type": "function_call", "id": new_id("fc_"), "call_id": call.get("id") or new_id("call_"),
+                       "name": function.get("name"), "arguments": function.get("arguments") or "{}",
+                       "status": "completed"})
+    prompt_tokens, completion_tokens = usage_of(answer)
+    return {
+        "id": response_id or new_id("resp_"), "object": "response", "created_at": int(time.time()),
+        "status": "incomplete" if cut else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "error": None,
+        "instructions": request.get("instructions"), "max_output_tokens": request.get("max_output_tokens"),
+        "model": request.get("model"), "output": output,
+        "parallel_tool_calls": request.get("parallel_tool_calls", True),
+        "previous_response_id": request.get("previous_response_id"), "temperature": request.get("temperature"),
+        "top_p": request.get("top_p"), "tool_choice": request.get("tool_choice") or "auto",
+        "tools": request.get("tools") or [], "text": {"format": {"type": "text"}}, "truncation": "disabled",
+        "metadata": request.get("metadata") or {}, "store": True,
+        "usage": {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                  "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                  "total_tokens": prompt_tokens + completion_tokens},
+    }
+
+
+def answer_message(answer: dict[str, Any]) -> dict[str, Any]:
+    """The assistant message a chat completion adds to the conversation (kept for ``previous_response_id``)."""
+    choice = first_choice(answer)
+    message: dict[str, Any] = {"role": "assistant", "content": choice["text"]}
+    if choice["tool_calls"]:
+        message["tool_calls"] = [{"id": call.get("id"), "type": "function", "function": call.get("function")}
+                                 for call in choice["tool_calls"]]
+    return message
+
+
+def response_events(done: dict[str, Any]) -> Iterator[bytes]:
+    """The SSE frames that stream ``done`` (a :func:`response`), in the order OpenAI sends them.
+
+    ``response.created`` and ``response.in_progress`` (no output yet); per
+    output item ``response.output_item.added``, then for a message
+    ``response.content_part.added`` / ``response.output_text.delta`` /
+    ``response.output_text.done`` / ``response.content_part.done``, for a
+    function call ``response.function_call_arguments.delta`` / ``.done``;
+    ``response.output_item.done``; last ``response.completed`` (or
+    ``response.incomplete``). Every event has its ``sequence_number``.
+    """
+    counter = iter(range(1 << 62))
+
+    def event(kind: str, **fields: Any) -> bytes:
+        return server_sent_event(kind, {"type": kind, "sequence_number": next(counter), **fields})
+
+    pending = {**done, "status": "in_progress", "incomplete_details": None, "output": [], "usage": None}
+    yield event("response.created", response=pending)
+    yield event("response.in_progress", response=pending)
+    for index, item in enumerate(done["output"]):
+        if item["type"] == "message":
+            yield event("response.output_item.added", output_index=index,
+                        item={**item, "status": "in_progress", "content": []})
+            for part_index, part in enumerate(item["content"]):
+                at = {"item_id": item["id"], "output_index": index, "content_index": part_index}
+                yield event("response.content_part.added", **at, part={**part, "text": ""})
+                yield event("response.output_text.delta", **at, delta=part["text"], logprobs=[])
+                yield event("response.output_text.done", **at, text=part["text"], logprobs=[])
+                yield event("response.content_part.done", **at, part=part)
+        else:
+            yield event("response.output_item.added", output_index=index,
+                        item={**item, "status": "in_progress", "arguments": ""})
+            at = {"item_id": item["id"], "output_index": index}
+            yield event("response.function_call_arguments.delta", **at, delta=item["arguments"])
+            yield event("response.function_call_arguments.done", **at, name=item["name"],
+                        arguments=item["arguments"])
+        yield event("response.output_item.done", output_index=index, item=item)
+    yield event("response.completed" if done["status"] == "completed" else "response.incomplete", response=done)
