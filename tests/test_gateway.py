@@ -139,8 +139,6 @@ def test_calls_of_a_rollout_are_ordered(endpoint, store, serve):
     ("r1/attempt/1/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),
     ("r1/attempt/1/v1/chat/completions", b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
      "nested too deeply"),
-    ("r1/attempt/1/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stream": true}', 400,
-     "streaming is not supported"),
     ("r1/attempt/1/v1/completions", b'{"prompt": [1, 2, 3]}', 400, "'prompt' must be a string"),
     ("nope/attempt/1/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}]}', 404,
      "unknown rollout 'nope'"),

@@ -45,23 +45,52 @@ class Forwarded:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class Opened:
+    """An upstream answer with a success status whose body is still to be read (a stream), after ``tries`` tries."""
+
+    response: aiohttp.ClientResponse
+    tries: int
+
+
 async def post_with_retries(session: aiohttp.ClientSession, url: str, body: bytes,
                             max_retries: int, backoff_s: float) -> Forwarded:
+    """POST ``body`` to ``url`` and read the whole answer; retries as :func:`open_with_retries`."""
+    opened = await open_with_retries(session, url, body, max_retries, backoff_s)
+    if isinstance(opened, Forwarded):
+        return opened
+    try:
+        async with opened.response as response:
+            return Forwarded(response.status, await response.read(), opened.tries)
+    except asyncio.TimeoutError:
+        return Forwarded(504, b"", opened.tries, f"the policy server {url} did not answer in time")
+    except aiohttp.ClientError as exc:
+        return Forwarded(502, b"", opened.tries, f"the policy server {url} broke off its answer: {exc}")
+
+
+async def open_with_retries(session: aiohttp.ClientSession, url: str, body: bytes,
+                            max_retries: int, backoff_s: float) -> Opened | Forwarded:
     """POST ``body`` to ``url``; retry 429/5xx answers and refused connections with exponential backoff.
 
-    Honors ``Retry-After`` (seconds, at most 30). A timeout is not retried: the
-    server is busy, and resending would add to its load.
+    An answer with a status below 400 comes back :class:`Opened`, its body
+    unread (the caller reads it, then releases it); any other final answer
+    comes back read, as :class:`Forwarded`. Honors ``Retry-After`` (seconds,
+    at most 30). A timeout is not retried: the server is busy, and resending
+    would add to its load.
     """
     tries = 0
     while True:
         tries += 1
         retry_after = None
         try:
-            async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as response:
+            response = await session.post(url, data=body, headers={"Content-Type": "application/json"})
+            if response.status < 400:
+                return Opened(response, tries)
+            async with response:
                 payload = await response.read()
-                if response.status not in RETRY_STATUSES or tries > max_retries:
-                    return Forwarded(response.status, payload, tries)
-                retry_after = _seconds(response.headers.get("Retry-After"))
+            if response.status not in RETRY_STATUSES or tries > max_retries:
+                return Forwarded(response.status, payload, tries)
+            retry_after = _seconds(response.headers.get("Retry-After"))
         except asyncio.TimeoutError:
             return Forwarded(504, b"", tries, f"the policy server {url} did not answer in time")
         except aiohttp.ClientError as exc:

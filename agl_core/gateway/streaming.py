@@ -1,0 +1,322 @@
+"""Streamed calls: server-sent events in the OpenAI format, read, written, and assembled into one answer.
+
+A streamed ``chat/completions`` or ``completions`` call answers with
+``data: <chunk JSON>`` events ending with ``data: [DONE]``. vLLM's OpenAI
+server, asked for ``return_token_ids``, puts ``prompt_token_ids`` on the
+first chunk (top level for chat, per choice for completions) and each
+choice's new ``token_ids`` on every chunk with its log-probs. These functions
+read such a stream (:func:`sse_payloads`), frame events (:func:`sse_event`),
+assemble the chunks into the answer a non-streamed call would have got
+(:class:`StreamAssembly`), so that the span of a streamed call is made by
+the same code from the same fields, and turn a whole answer into chunks
+(:func:`chunks_of`) for an upstream that answered a stream request whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import anyio
+
+from agl_core.gateway.capture import CHAT
+
+DONE = b"[DONE]"
+DONE_EVENT = b"data: [DONE]\n\n"
+EVENT_STREAM = "text/event-stream"
+
+
+def sse_event(payload: bytes) -> bytes:
+    """One server-sent event whose data is ``payload`` (a JSON text without newlines)."""
+    return b"data: " + payload + b"\n\n"
+
+
+async def sse_payloads(lines: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+    """The data of each event of a server-sent event stream read line by line, up to ``[DONE]`` (not yielded).
+
+    Comments (``:``) and fields other than ``data`` are skipped; an event of
+    several ``data`` lines is joined with newlines, as the format says.
+    """
+    data: list[bytes] = []
+    async for raw in lines:
+        line = raw.rstrip(b"\r\n")
+        if not line:
+            if data:
+                payload = b"\n".join(data)
+                data = []
+                if payload == DONE:
+                    return
+                yield payload
+            continue
+        if line.startswith(b"data:"):
+            data.append(line[6:] if line[5:6] == b" " else line[5:])
+    if data and (payload := b"\n".join(data)) != DONE:
+        yield payload
+
+
+class StreamAssembly:
+    """The chunks of one streamed call of ``endpoint``, assembled into the answer of the same call not streamed.
+
+    :meth:`add` each chunk (a parsed JSON object) in order; :meth:`response`
+    is then the ``chat.completion`` or ``text_completion`` object with each
+    choice's text (or message with ``tool_calls``), log-probs, ``token_ids``,
+    ``finish_reason``, and the call's ``prompt_token_ids``, ``usage`` and any
+    other top-level field (``weight_version``). Made from a stream cut short,
+    it holds what had arrived.
+    """
+
+    def __init__(self, endpoint: str):
+        self.endpoint = endpoint
+        self.chunks = 0
+        self._top: dict[str, Any] = {}
+        self._choices: dict[int, dict[str, Any]] = {}
+
+    def add(self, chunk: dict[str, Any]) -> None:
+        self.chunks += 1
+        for key, value in chunk.items():
+            if key != "choices" and value is not None:
+                self._top[key] = value
+        for delta in chunk.get("choices") or ():
+            index = delta.get("index", 0)
+            choice = self._choices.get(index)
+            if choice is None:
+                choice = self._choices[index] = {"index": index, "text": [], "tool_calls": {}, "token_ids": [],
+                                                 "logprobs": None, "finish_reason": None, "extra": {}}
+            self._add_choice(choice, delta)
+
+    def _add_choice(self, choice: dict[str, Any], delta: dict[str, Any]) -> None:
+        for key, value in delta.items():
+            if value is None or key == "index":
+                continue
+            if key == "token_ids":
+                choice["token_ids"].extend(value)
+            elif key == "logprobs":
+                choice["logprobs"] = _merge_logprobs(choice["logprobs"], value)
+            elif key == "finish_reason":
+                choice["finish_reason"] = value
+            elif key == "delta":  # chat
+                self._add_message(choice, value)
+            elif key == "text":  # completions
+                choice["text"].append(value)
+            else:  # prompt_token_ids (completions), stop_reason, ...
+                choice["extra"][key] = value
+
+    @staticmethod
+    def _add_message(choice: dict[str, Any], delta: dict[str, Any]) -> None:
+        if delta.get("role"):
+            choice["extra"]["role"] = delta["role"]
+        if delta.get("content"):
+            choice["text"].append(delta["content"])
+        for call in delta.get("tool_calls") or ():
+            slot = choice["tool_calls"].setdefault(call.get("index", len(choice["tool_calls"])),
+                                                   {"id": None, "type": "function", "name": [], "arguments": []})
+            if call.get("id"):
+                slot["id"] = call["id"]
+            if call.get("type"):
+                slot["type"] = call["type"]
+            function = call.get("function") or {}
+            if function.get("name"):
+                slot["name"].append(function["name"])
+            if function.get("arguments"):
+                slot["arguments"].append(function["arguments"])
+
+    def response(self) -> dict[str, Any]:
+        """The assembled answer (see the class)."""
+        chat = self.endpoint == CHAT
+        out = {**self._top, "object": "chat.completion" if chat else "text_completion"}
+        choices = []
+        for index in sorted(self._choices):
+            choice = self._choices[index]
+            extra = dict(choice["extra"])
+            text = "".join(choice["text"])
+            made: dict[str, Any] = {"index": index}
+            if chat:
+                message: dict[str, Any] = {"role": extra.pop("role", "assistant"),
+                                           "content": text if text or not choice["tool_calls"] else None}
+                if choice["tool_calls"]:
+                    message["tool_calls"] = [
+                        {"id": call["id"], "type": call["type"],
+                         "function": {"name": "".join(call["name"]), "arguments": "".join(call["arguments"])}}
+                        for _, call in sorted(choice["tool_calls"].items())]
+                made["message"] = message
+            else:
+                made["text"] = text
+            made.update(logprobs=choice["logprobs"], finish_reason=choice["finish_reason"],
+                        token_ids=choice["token_ids"], **extra)
+            choices.append(made)
+        out["choices"] = choices
+        return out
+
+
+def _merge_logprobs(into: dict[str, Any] | None, more: dict[str, Any]) -> dict[str, Any]:
+    """Log-prob objects of consecutive chunks as one: their per-token lists concatenated."""
+    if into is None:
+        return {key: list(value) if isinstance(value, list) else value for key, value in more.items()}
+    for key, value in more.items():
+        if isinstance(value, list) and isinstance(into.get(key), list):
+            into[key].extend(value)
+        elif key not in into or into[key] is None:
+            into[key] = list(value) if isinstance(value, list) else value
+    return into
+
+
+def chunks_of(endpoint: str, response: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+    """A whole answer of ``endpoint`` as the chunks of a stream, in vLLM's layout (see the module).
+
+    Chat: per choice, a first chunk with the role (the call's first chunk
+    carrying ``prompt_token_ids``), then one with the whole content, tool
+    calls, log-probs, token ids and finish reason. Completions: one chunk per
+    choice. With ``include_usage``, a last chunk with no choices and the usage.
+    :class:`StreamAssembly` makes ``response`` back from them.
+    """
+    top = {key: value for key, value in response.items()
+           if key not in ("choices", "usage", "object", "prompt_token_ids")}
+    chunks = []
+    if endpoint == CHAT:
+        top["object"] = "chat.completion.chunk"
+        for choice in response.get("choices") or ():
+            message = choice.get("message") or {}
+            first: dict[str, Any] = {**top, "choices": [{"index": choice.get("index", 0),
+                                                         "delta": {"role": message.get("role", "assistant"),
+                                                                   "content": ""},
+                                                         "logprobs": None, "finish_reason": None}]}
+            if not chunks and response.get("prompt_token_ids") is not None:
+                first["prompt_token_ids"] = response["prompt_token_ids"]
+            delta: dict[str, Any] = {"content": message.get("content") or ""}
+            if message.get("tool_calls"):
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+            rest = {key: value for key, value in choice.items() if key not in ("index", "message")}
+            chunks += [first, {**top, "choices": [{"index": choice.get("index", 0), "delta": delta, **rest}]}]
+    else:
+        top["object"] = "text_completion"
+        chunks = [{**top, "choices": [choice]} for choice in response.get("choices") or ()]
+    if include_usage and response.get("usage") is not None:
+        chunks.append({**top, "choices": [], "usage": response["usage"]})
+    return chunks
+
+
+def include_usage(body: dict[str, Any]) -> bool:
+    """Whether a streamed request asks for the usage chunk (``stream_options.include_usage``)."""
+    options = body.get("stream_options")
+    return isinstance(options, dict) and bool(options.get("include_usage"))
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact JSON bytes, as chunks are sent."""
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+class Chunk:
+    """One chunk of a relayed stream: ``data`` parsed, ``raw`` the JSON bytes as the upstream sent them."""
+
+    __slots__ = ("data", "raw")
+
+    def __init__(self, data: dict[str, Any], raw: bytes):
+        self.data, self.raw = data, raw
+
+
+class CallStream:
+    """A streamed model call being relayed: iterate its :class:`Chunk` s, then :meth:`close` it, always.
+
+    Each chunk is added to :attr:`assembly` as it passes. ``on_close(self)``
+    records the call; it runs once, from :meth:`close`, shielded from the
+    cancellation of a client that went away. By then :attr:`ended` says
+    whether the upstream's stream reached its end (else the consumer stopped
+    early: the call is incomplete) and :attr:`error` why it broke off, if it
+    did. ``release`` drops the upstream connection (an unfinished upstream
+    stops generating).
+    """
+
+    def __init__(self, endpoint: str, payloads: AsyncIterator[bytes],
+                 on_close: Callable[[CallStream], Awaitable[None]], release: Callable[[], None] | None = None):
+        self.assembly = StreamAssembly(endpoint)
+        self.ended = False
+        self.error: str | None = None
+        self.record_error: str | None = None  # set by on_close when the call could not be recorded
+        self._payloads, self._on_close, self._release = payloads, on_close, release
+        self._closed = False
+
+    def __aiter__(self) -> CallStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self.ended or self.error is not None:
+            raise StopAsyncIteration
+        try:
+            raw = await self._payloads.__anext__()
+            data = json.loads(raw)
+            if not isinstance(data, dict):
+                raise ValueError("not an object")
+        except StopAsyncIteration:
+            self.ended = True
+            raise
+        except asyncio.TimeoutError:
+            self.error = "the policy server did not finish its stream in time"
+            raise StopAsyncIteration from None
+        except aiohttp.ClientError as exc:
+            self.error = f"the policy server broke off its stream: {exc}"
+            raise StopAsyncIteration from None
+        except ValueError:
+            self.error = "the policy server streamed a chunk that is not a JSON object"
+            raise StopAsyncIteration from None
+        self.assembly.add(data)
+        return Chunk(data, raw)
+
+    async def close(self) -> None:
+        """Release the upstream and record the call (once); safe to call from a cancelled task."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            if self._release is not None:
+                self._release()
+            await self._on_close(self)
+
+
+class EventStreamResponse:
+    """The ASGI response relaying a :class:`CallStream` to the client as server-sent events.
+
+    Each chunk goes out as it arrives. At the end the call is recorded before
+    the last event (``[DONE]``, or an error event when the upstream broke off
+    or the store could not record), so a client that saw the end of the stream
+    sees a recorded call. A client that disconnects cancels the relay: the
+    stream is closed then, and its call recorded as incomplete.
+    """
+
+    def __init__(self, stream: CallStream):
+        self.stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        async with anyio.create_task_group() as group:
+            async def relay() -> None:
+                await self._relay(send)
+                group.cancel_scope.cancel()
+
+            group.start_soon(relay)
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            group.cancel_scope.cancel()
+
+    async def _relay(self, send) -> None:
+        stream = self.stream
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                (b"cache-control", b"no-cache")]})
+        try:
+            async for chunk in stream:
+                await send({"type": "http.response.body", "body": sse_event(chunk.raw), "more_body": True})
+        finally:
+            await stream.close()
+        error = stream.error or stream.record_error
+        tail = DONE_EVENT if error is None else sse_event(dumps({"error": {"message": error, "type": "server_error",
+                                                                           "code": 502}})) + DONE_EVENT
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+async def iterate(items: list[bytes]) -> AsyncIterator[bytes]:
+    """``items`` as an async iterator (the chunks of an answer that came whole)."""
+    for item in items:
+        yield item

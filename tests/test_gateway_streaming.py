@@ -1,0 +1,258 @@
+"""Streamed calls through the gateway over real HTTP on 127.0.0.1: the openai client with ``stream=True`` in,
+the test policy endpoint (which streams token ids the way vLLM does) or a server that answers whole behind,
+spans out: the same spans as a non-streamed call, and an incomplete one when the agent leaves mid-stream."""
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from agl_core.builtin.memory_store import MemoryStore
+from agl_core.config import GatewayConfig
+from agl_core.data import Task
+from agl_core.gateway import Gateway
+from agl_core.gateway.capture import CHAT, COMPLETIONS
+from agl_core.gateway.server import call_seed
+from agl_core.gateway.streaming import StreamAssembly, chunks_of, sse_payloads
+from agl_core.http_server import ServerThread
+from agl_core.store import NewRollout
+from agl_core.testing_endpoint import ByteTokenizer, TestEndpoint
+
+TOKENIZER = ByteTokenizer()
+ROLLOUTS = ("plain", "streamed")
+
+
+@pytest.fixture
+def store():
+    s = MemoryStore()
+    s.enqueue([NewRollout(r, Task(id="t1", input={}), metadata={"agent_name": "echoer"}) for r in ROLLOUTS])
+    s.dequeue("w", lease_s=60)
+    s.dequeue("w", lease_s=60)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def gateway(store, endpoint):
+    gateway = Gateway(store, GatewayConfig(retry_backoff_s=0.01), sampling={"temperature": 0.7, "max_tokens": 64},
+                      upstreams=[endpoint.url], seed=7)
+    server = gateway.serve()
+    yield gateway, server
+    server.stop()
+
+
+def client(server, rollout):
+    return openai.OpenAI(base_url=Gateway.base_url(server.url, rollout, "1"), api_key="unused", max_retries=0)
+
+
+def llm_spans(store, rollout):
+    return [s for s in store._entries[rollout].spans if s.kind == "llm_call"]
+
+
+def same_recording(plain, streamed):
+    """The fields a trainer reads are identical; the request differs only by ``stream``."""
+    assert [s.prompt_token_ids for s in streamed] == [s.prompt_token_ids for s in plain]
+    assert [s.response_token_ids for s in streamed] == [s.response_token_ids for s in plain]
+    assert [s.response_logprobs for s in streamed] == [s.response_logprobs for s in plain]
+    for p, s in zip(plain, streamed):
+        assert "error" not in s.attributes and "incomplete" not in s.attributes
+        assert s.attributes["choice_index"] == p.attributes["choice_index"]
+        assert s.attributes["response"]["choices"][0]["finish_reason"] == \
+            p.attributes["response"]["choices"][0]["finish_reason"]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_streamed_chat_call_records_what_the_same_call_not_streamed_records(store, gateway, n):
+    _, server = gateway
+    messages = [{"role": "user", "content": "héllo"}]
+    plain = client(server, "plain").chat.completions.create(model="m", messages=messages, n=n)
+    stream = client(server, "streamed").chat.completions.create(
+        model="m", messages=messages, n=n, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+            for i in range(n)}
+    assert text == {i: plain.choices[i].message.content for i in range(n)}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    # Token ids travel in the chunks, as vLLM streams them: the agent gets them too.
+    assert chunks[0].model_extra["prompt_token_ids"] == plain.model_extra["prompt_token_ids"]
+    same_recording(llm_spans(store, "plain"), llm_spans(store, "streamed"))
+    assert llm_spans(store, "streamed")[0].attributes["request"]["stream"] is True
+
+
+def test_a_streamed_completion_records_what_the_same_completion_not_streamed_records(store, gateway):
+    _, server = gateway
+    plain = client(server, "plain").completions.create(model="m", prompt="count to three", n=2)
+    chunks = list(client(server, "streamed").completions.create(model="m", prompt="count to three", n=2,
+                                                                  stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices[0].index == 1) == plain.choices[1].text
+    same_recording(llm_spans(store, "plain"), llm_spans(store, "streamed"))
+
+
+def test_a_streamed_call_gets_the_seed_of_its_place_in_the_run_as_a_call_not_streamed(store, gateway, endpoint):
+    _, server = gateway
+    client(server, "plain").chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    list(client(server, "streamed").chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                                            stream=True))
+    plain, streamed = list(endpoint.requests)[-2:]
+    metadata = {"agent_name": "echoer"}
+    assert plain["seed"] == call_seed(7, metadata, "plain", "1", 0)
+    assert streamed["seed"] == call_seed(7, metadata, "streamed", "1", 0) and streamed["stream"] is True
+    assert streamed["return_token_ids"] is True and streamed["logprobs"] is True
+
+
+def test_an_agent_that_leaves_mid_stream_leaves_an_incomplete_span(store, gateway, endpoint):
+    _, server = gateway
+    endpoint.token_delay_s = 0.05
+    long = "a long answer " * 3
+    with client(server, "streamed").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": long}], stream=True) as stream:
+        for count, _ in enumerate(stream):
+            if count == 3:
+                break  # the context manager closes the connection: the agent is gone
+    deadline = time.time() + 5
+    while not llm_spans(store, "streamed") and time.time() < deadline:
+        time.sleep(0.02)
+    [span] = llm_spans(store, "streamed")
+    assert span.attributes["incomplete"] is True and "error" not in span.attributes
+    assert 0 < len(span.response_token_ids) < len(TOKENIZER.encode("echo: " + long))
+    assert len(span.response_logprobs) == len(span.response_token_ids)
+    deadline = time.time() + 5
+    while endpoint.streams_cut == 0 and time.time() < deadline:  # the gateway dropped the upstream stream too
+        time.sleep(0.02)
+    assert endpoint.streams_cut == 1
+
+
+def test_refusals_come_before_the_stream_with_a_4xx_and_write_nothing(store, gateway):
+    _, server = gateway
+    with pytest.raises(openai.NotFoundError, match="unknown rollout"):
+        list(client(server, "nope").chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                                            stream=True))
+    with pytest.raises(openai.BadRequestError, match="'messages'"):
+        list(client(server, "streamed").chat.completions.create(model="m", messages=[], stream=True))
+    with pytest.raises(openai.BadRequestError, match="'n'"):
+        list(client(server, "streamed").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}], n=10_000, stream=True))
+    assert llm_spans(store, "streamed") == []
+
+
+def test_an_upstream_failing_before_its_stream_is_a_failed_call_and_an_errored_span(store, gateway, endpoint):
+    _, server = gateway
+    endpoint.fail_next.extend([400])
+    with pytest.raises(openai.BadRequestError, match="injected failure"):
+        list(client(server, "streamed").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}], stream=True))
+    [span] = llm_spans(store, "streamed")
+    assert span.attributes["error"] == "the policy server answered 400"
+
+
+def test_an_upstream_that_answers_whole_is_streamed_back_and_recorded_alike(store):
+    """A policy server that ignores ``stream`` (answers JSON): the gateway cuts the answer into chunks."""
+    endpoint = TestEndpoint()
+
+    async def whole(request):
+        body = await request.json()
+        body.pop("stream", None)
+        endpoint.requests.append(body)
+        return await endpoint.chat_completions(_Replay(body))
+
+    upstream = ServerThread(Starlette(routes=[Route("/v1/chat/completions", whole, methods=["POST"])])).start()
+    gateway = Gateway(store, GatewayConfig(), upstreams=[upstream.url + "/v1"])
+    server = gateway.serve()
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        plain = client(server, "plain").chat.completions.create(model="m", messages=messages)
+        chunks = list(client(server, "streamed").chat.completions.create(
+            model="m", messages=messages, stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
+        assert chunks[-1].usage.total_tokens == plain.usage.total_tokens
+        same_recording(llm_spans(store, "plain"), llm_spans(store, "streamed"))
+    finally:
+        server.stop()
+        upstream.stop()
+
+
+class _Replay:
+    """A request whose body is given (the test endpoint's handler reads it with ``request.body()``)."""
+
+    def __init__(self, body):
+        self._raw = json.dumps(body).encode()
+
+    async def body(self):
+        return self._raw
+
+
+def test_a_durable_gateway_ends_a_stream_only_once_its_spans_are_flushed(store, endpoint, monkeypatch):
+    flushed = []
+    monkeypatch.setattr(store, "flush", lambda: flushed.append(len(llm_spans(store, "streamed"))))
+    gateway = Gateway(store, GatewayConfig(), upstreams=[endpoint.url], durable=True)
+    server = gateway.serve()
+    try:
+        list(client(server, "streamed").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}], stream=True))
+        assert flushed == [1]
+    finally:
+        server.stop()
+
+
+def test_a_store_that_cannot_record_a_stream_ends_it_with_an_error_event(store, gateway, monkeypatch):
+    _, server = gateway
+
+    def broken(spans):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(store, "add_spans", broken)
+    with pytest.raises(openai.APIError, match="disk full"):
+        list(client(server, "streamed").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}], stream=True))
+
+
+def test_raw_events_are_openai_server_sent_events(store, gateway):
+    _, server = gateway
+    url = Gateway.base_url(server.url, "streamed", "1") + "/chat/completions"
+    with httpx.stream("POST", url, json={"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                         "stream": True}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    assert json.loads(lines[0][6:])["object"] == "chat.completion.chunk"
+
+
+# ------------------------------------------------------------ the format functions, on their own
+
+def test_sse_payloads_reads_events_the_way_the_format_says():
+    async def lines():
+        for line in [b": a comment\n", b"data: {\"a\": 1}\n", b"\n", b"event: x\n", b"data:{\"b\"\n",
+                     b"data: : 2}\n", b"\r\n", b"data: [DONE]\n", b"\n", b"data: {\"late\": 1}\n", b"\n"]:
+            yield line
+
+    async def read():
+        return [p async for p in sse_payloads(lines())]
+
+    assert asyncio.run(read()) == [b'{"a": 1}', b'{"b"\n: 2}']
+
+
+@pytest.mark.parametrize("endpoint_name, response", [
+    (CHAT, {"id": "c", "object": "chat.completion", "model": "m", "prompt_token_ids": [1, 2], "weight_version": 3,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ab"}, "finish_reason": "stop",
+                         "logprobs": {"content": [{"token": "a", "logprob": -1.0}]}, "token_ids": [5, 6]},
+                        {"index": 1, "message": {"role": "assistant", "content": None, "tool_calls": [
+                            {"id": "t", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                         "finish_reason": "tool_calls", "logprobs": None, "token_ids": [7]}],
+            "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}}),
+    (COMPLETIONS, {"id": "c", "object": "text_completion", "model": "m",
+                   "choices": [{"index": 0, "text": "ab", "finish_reason": "length", "prompt_token_ids": [1],
+                                "token_ids": [5, 6], "logprobs": {"tokens": ["a", "b"], "token_logprobs": [-1, -2],
+                                                                  "top_logprobs": None, "text_offset": [0, 1]}}],
+                   "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}),
+])
+def test_a_whole_answer_cut_into_chunks_assembles_back_into_itself(endpoint_name, response):
+    assembly = StreamAssembly(endpoint_name)
+    for chunk in chunks_of(endpoint_name, response, include_usage=True):
+        assembly.add(json.loads(json.dumps(chunk)))
+    assert assembly.response() == response
