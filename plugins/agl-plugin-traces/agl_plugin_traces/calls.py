@@ -48,6 +48,7 @@ class TraceCounts:
     kept: int = 0
     empty: int = 0
     error: int = 0
+    incomplete: int = 0
     retried: int = 0
     rewards: int = 0
     rewards_unattached: int = 0
@@ -60,6 +61,7 @@ class TraceCounts:
             "training/n_calls": float(self.kept),
             "training/n_calls_empty": float(self.empty),
             "training/n_calls_error": float(self.error),
+            "training/n_calls_incomplete": float(self.incomplete),
             "training/n_calls_retried": float(self.retried),
             "training/n_call_rewards": float(self.rewards),
             "training/n_call_rewards_unattached": float(self.rewards_unattached),
@@ -83,7 +85,9 @@ def rollout_calls(rollout: Rollout, counts: TraceCounts) -> list[Call]:
 
     From spans: ``llm_call`` spans sorted by ``sequence_id``; a call without
     prompt or response tokens, or whose ``attributes["error"]`` is truthy, is
-    skipped; a call with the same prompt ids as earlier calls is a retry and
+    skipped, and so is (counted apart) a call whose ``attributes["incomplete"]``
+    is truthy: a streamed answer the agent stopped reading, which it never
+    acted on whole; a call with the same prompt ids as earlier calls is a retry and
     replaces them (only the last is kept), except the further choices of one
     request (``attributes["choice_index"]`` 1, 2, …), which are samples.
     A ``reward`` span rewards the closest preceding ``llm_call`` span; when that
@@ -111,6 +115,10 @@ def rollout_calls(rollout: Rollout, counts: TraceCounts) -> list[Call]:
     same_length: dict[int, list[int]] = {}  # prompt length -> indices of the kept calls with a prompt that long
     for turn, span in enumerate(llm):
         attributes = span.attributes
+        if attributes and attributes.get("incomplete"):
+            counts.incomplete += 1
+            calls.append(None)
+            continue
         if attributes and attributes.get("error"):
             counts.error += 1
             calls.append(None)

@@ -24,6 +24,13 @@ def test_empty_and_error_calls_are_skipped_and_counted():
     assert (counts.empty, counts.error, counts.kept) == (2, 1, 2)
 
 
+def test_an_incomplete_call_a_stream_the_agent_left_is_counted_and_never_trained_on():
+    calls, counts = calls_of([llm(0, [1], [10]), llm(1, [1, 10, 2], [20, 21], incomplete=True), reward(2, 1.0)])
+    assert [c.response_ids for c in calls] == [[10]]
+    assert (counts.incomplete, counts.error, counts.kept, counts.rewards_unattached) == (1, 0, 1, 1)
+    assert counts.metrics()["training/n_calls_incomplete"] == 1.0
+
+
 def test_a_retry_replaces_every_earlier_call_with_the_same_prompt():
     calls, counts = calls_of([llm(0, [1, 2], [10]), llm(1, [1, 2], [11]), llm(2, [7], [70]), llm(3, [1, 2], [12])])
     assert [c.response_ids for c in calls] == [[70], [12]]
