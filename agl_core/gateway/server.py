@@ -43,6 +43,7 @@ from agl_core.gateway.api_routes import TranslatedApis
 from agl_core.gateway.capture import CHAT, COMPLETIONS, Captured, ask_for_tokens, capture, without_token_fields
 from agl_core.gateway.streaming import (EVENT_STREAM, CallStream, EventStreamResponse, chunks_of, dumps,
                                        include_usage, iterate, sse_payloads)
+from agl_core.gateway.tools import check_tools
 from agl_core.gateway.upstream import Forwarded, Opened, Upstreams, open_with_retries, post_with_retries
 from agl_core.gateway.weight_sync import CallGate
 from agl_core.http_rules import (INT64_MAX, RequestError, check_bearer, check_sampling, error_response,
@@ -332,6 +333,7 @@ class Gateway:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
                 raise RequestError(400, "'messages' must be a non-empty list of message objects")
+            check_tools(body)
         elif not isinstance(body.get("prompt"), str):
             raise RequestError(400, "'prompt' must be a string (token-id and batched prompts are not supported)")
         check_sampling(body, max_n=self.config.max_n, logprobs_key="top_logprobs" if endpoint == CHAT else "logprobs")
