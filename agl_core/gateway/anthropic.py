@@ -4,8 +4,9 @@ The gateway serves ``/v1/messages`` on the per-rollout URL by translating the
 request into the chat request the policy understands (:func:`chat_request`),
 making that chat call exactly as for an agent that called
 ``chat/completions`` (same checks, same span with the same token ids), and
-translating the chat answer into a Messages answer (:func:`message`) or its
-event stream (:func:`message_events`). Pure functions: no I/O.
+translating the chat answer into a Messages answer (:func:`message`), or a
+streamed chat call's chunks into Anthropic's events as they come
+(:class:`MessageEvents`). No I/O here.
 
 What maps to what:
 
@@ -37,7 +38,7 @@ policy server names the stop string that ended it, as vLLM does),
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from typing import Any
 
 from agl_core.gateway.translate import (first_choice, new_id, refuse_unknown, require, server_sent_event,
                                         tool_arguments, usage_of)
@@ -199,40 +200,105 @@ def message(answer: dict[str, Any], model: str) -> dict[str, Any]:
         function = call.get("function") or {}
         content.append({"type": "tool_use", "id": call.get("id") or new_id("toolu_"), "name": function.get("name"),
                         "input": tool_arguments(function.get("arguments"))})
+    stop_reason, stop_sequence = _stop(choice)
+    prompt_tokens, completion_tokens = usage_of(answer)
+    return {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": model,
+            "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+            "usage": {"input_tokens": prompt_tokens, "output_tokens": completion_tokens}}
+
+
+def _stop(choice: dict[str, Any]) -> tuple[str, str | None]:
+    """``stop_reason`` and ``stop_sequence`` of a chat choice (:func:`~agl_core.gateway.translate.first_choice`)."""
     stop_reason = STOP_REASONS.get(choice["finish_reason"], "end_turn")
     stop_sequence = choice["stop_reason"] if isinstance(choice["stop_reason"], str) else None
     if stop_sequence is not None and stop_reason == "end_turn":
         stop_reason = "stop_sequence"
     if choice["tool_calls"] and stop_reason == "end_turn":
         stop_reason = "tool_use"
-    prompt_tokens, completion_tokens = usage_of(answer)
-    return {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-            "usage": {"input_tokens": prompt_tokens, "output_tokens": completion_tokens}}
+    return stop_reason, stop_sequence
 
 
-def message_events(answer: dict[str, Any]) -> Iterator[bytes]:
-    """The SSE frames that stream ``answer`` (a :func:`message`), in the order Anthropic sends them.
+class MessageEvents:
+    """Anthropic's event stream of a streamed chat call, made chunk by chunk (chunks in, SSE frames out).
 
-    ``message_start`` (the message without content, no stop reason yet),
-    per content block ``content_block_start`` / one ``content_block_delta``
-    (``text_delta`` or ``input_json_delta``) / ``content_block_stop``, then
-    ``message_delta`` (stop reason and output tokens) and ``message_stop``.
+    :meth:`add` each ``chat.completion.chunk`` as it arrives: the first one
+    opens the message (``message_start``, with the prompt's length when the
+    chunk carries ``prompt_token_ids``); text opens a ``text`` block and
+    becomes ``text_delta`` events; each tool call opens a ``tool_use`` block
+    (its id and name) and its argument fragments become ``input_json_delta``
+    events. :meth:`end` closes the open block and sends ``message_delta``
+    (stop reason and output tokens, from the whole answer) and
+    ``message_stop``; or, when the call broke off, an ``error`` event.
     """
-    start = {**answer, "content": [], "stop_reason": None, "stop_sequence": None,
-             "usage": {**answer["usage"], "output_tokens": 0}}
-    yield server_sent_event("message_start", {"type": "message_start", "message": start})
-    for index, block in enumerate(answer["content"]):
-        if block["type"] == "text":
-            opening, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
-        else:
-            opening = {**block, "input": {}}
-            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-        yield server_sent_event("content_block_start",
-                                {"type": "content_block_start", "index": index, "content_block": opening})
-        yield server_sent_event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
-        yield server_sent_event("content_block_stop", {"type": "content_block_stop", "index": index})
-    yield server_sent_event("message_delta", {
-        "type": "message_delta", "delta": {"stop_reason": answer["stop_reason"], "stop_sequence": answer["stop_sequence"]},
-        "usage": {"output_tokens": answer["usage"]["output_tokens"]}})
-    yield server_sent_event("message_stop", {"type": "message_stop"})
+
+    def __init__(self, model: str):
+        self.model = model
+        self.id = new_id("msg_")
+        self._started = False
+        self._blocks = 0  # blocks opened so far: the next one's index
+        self._open: tuple[str, Any] | None = None  # ("text", None) or ("tool", the call's index in the chunk)
+
+    def start(self) -> list[bytes]:
+        """Nothing before the first chunk: ``message_start`` carries the prompt's length, which that chunk brings."""
+        return []
+
+    def add(self, chunk: dict[str, Any]) -> list[bytes]:
+        frames = [] if self._started else [self._start(chunk)]
+        for choice in chunk.get("choices") or ():
+            if choice.get("index", 0) != 0:
+                continue  # the first choice is the answer, as in a call not streamed
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                if self._open != ("text", None):
+                    frames += self._open_block(("text", None), {"type": "text", "text": ""})
+                frames.append(self._delta({"type": "text_delta", "text": delta["content"]}))
+            for call in delta.get("tool_calls") or ():
+                key = ("tool", call.get("index", 0))
+                function = call.get("function") or {}
+                if self._open != key:
+                    frames += self._open_block(key, {"type": "tool_use", "id": call.get("id") or new_id("toolu_"),
+                                                     "name": function.get("name"), "input": {}})
+                if function.get("arguments"):
+                    frames.append(self._delta({"type": "input_json_delta", "partial_json": function["arguments"]}))
+        return frames
+
+    def end(self, answer: dict[str, Any] | None, error: str | None) -> list[bytes]:
+        """The closing frames: of the whole ``answer`` (the chunks assembled), or the ``error`` it broke off with."""
+        frames = [] if self._started else [self._start({})]
+        if error is not None or answer is None:
+            message_ = error or "the policy server's stream had no chunk"
+            return frames + [server_sent_event("error", error_body(502, message_))]
+        frames += self._close_block()
+        done = message(answer, self.model)
+        frames.append(server_sent_event("message_delta", {
+            "type": "message_delta", "delta": {"stop_reason": done["stop_reason"],
+                                               "stop_sequence": done["stop_sequence"]},
+            "usage": {"output_tokens": done["usage"]["output_tokens"]}}))
+        frames.append(server_sent_event("message_stop", {"type": "message_stop"}))
+        return frames
+
+    def _start(self, chunk: dict[str, Any]) -> bytes:
+        self._started = True
+        prompt = chunk.get("prompt_token_ids")
+        started = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+                   "stop_reason": None, "stop_sequence": None,
+                   "usage": {"input_tokens": len(prompt) if isinstance(prompt, list) else 0, "output_tokens": 0}}
+        return server_sent_event("message_start", {"type": "message_start", "message": started})
+
+    def _open_block(self, key: tuple[str, Any], block: dict[str, Any]) -> list[bytes]:
+        frames = self._close_block()
+        self._open = key
+        frames.append(server_sent_event("content_block_start", {"type": "content_block_start",
+                                                                "index": self._blocks, "content_block": block}))
+        return frames
+
+    def _close_block(self) -> list[bytes]:
+        if self._open is None:
+            return []
+        self._open = None
+        self._blocks += 1
+        return [server_sent_event("content_block_stop", {"type": "content_block_stop", "index": self._blocks - 1})]
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return server_sent_event("content_block_delta", {"type": "content_block_delta", "index": self._blocks,
+                                                         "delta": delta})

@@ -6,9 +6,11 @@ it to a chat request (:mod:`agl_core.gateway.anthropic`,
 :meth:`Gateway.call <agl_core.gateway.server.Gateway.call>` (the checks,
 admission, forwarding and spans of every chat call: a trace aggregator sees
 the same spans whatever API the agent used), and answers in the API's own
-shape, errors included. A streamed request is answered from the whole chat
-answer: the policy server's answer is taken whole and then sent as the API's
-event sequence.
+shape, errors included. A streamed request is a streamed chat call
+(:meth:`Gateway.open_stream <agl_core.gateway.server.Gateway.open_stream>`)
+whose chunks are relayed as the API's events as they arrive
+(:class:`TranslatedEventStream`); its span is the streamed chat call's, marked
+incomplete when the agent disconnects before the end.
 
 The responses of each running attempt are kept for ``previous_response_id``
 (:class:`~agl_core.gateway.responses.ResponseMemory`, bounded); every
@@ -21,14 +23,15 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from agl_core.gateway import anthropic, responses
 from agl_core.gateway.capture import CHAT
+from agl_core.gateway.streaming import CallStream, EventStreamResponse
 from agl_core.gateway.translate import require, upstream_error_message
 from agl_core.http_rules import RequestError, check_bearer, error_response, parse_json_object, read_body
 
@@ -39,8 +42,6 @@ log = logging.getLogger("agl_core.gateway")
 
 SWEEP_S = 10.0
 """How often the responses of ended attempts are looked for and dropped."""
-
-EVENT_STREAM = "text/event-stream"
 
 
 class TranslatedApis:
@@ -57,15 +58,16 @@ class TranslatedApis:
         try:
             body = await self._body(request, anthropic_key=True)
             stream = anthropic.wants_stream(body)
-            answer = await self.gateway.call(rollout_id, attempt_id, CHAT, anthropic.chat_request(body))
+            chat = anthropic.chat_request(body)
+            if stream:
+                opened = await self.gateway.open_stream(rollout_id, attempt_id, CHAT, streamed(chat))
+                return TranslatedEventStream(opened, anthropic.MessageEvents(body["model"]))
+            answer = await self.gateway.call(rollout_id, attempt_id, CHAT, chat)
         except RequestError as exc:
-            raw = getattr(exc, "raw", None)
+            raw = getattr(exc, "raw", None)  # a CallFailed: the policy server's own error answer, if it gave one
             message = upstream_error_message(raw, exc.status) if raw is not None else str(exc)
             return JSONResponse(anthropic.error_body(exc.status, message), status_code=exc.status)
-        out = anthropic.message(answer.response, body["model"])
-        if stream:
-            return StreamingResponse(_frames(anthropic.message_events(out)), media_type=EVENT_STREAM)
-        return JSONResponse(out)
+        return JSONResponse(anthropic.message(answer.response, body["model"]))
 
     async def responses(self, request: Request) -> Response:
         """``POST …/v1/responses``: an OpenAI Responses call, answered whole or as the Responses events."""
@@ -79,17 +81,23 @@ class TranslatedApis:
             history = [] if previous is None else self.memory.conversation(
                 attempt, require(previous, str, "previous_response_id", "a string"))
             chat, added = responses.chat_request(body, history)
+
+            def keep(response_id: str, answer: dict[str, Any]) -> None:
+                self.memory.add(attempt, response_id, responses.Stored(previous, (*added,
+                                                                                  responses.answer_message(answer))))
+
+            if stream:
+                opened = await self.gateway.open_stream(rollout_id, attempt_id, CHAT, streamed(chat))
+                events = responses.ResponseEvents(body)
+                return TranslatedEventStream(opened, events, lambda answer: keep(events.id, answer))
             answer = await self.gateway.call(rollout_id, attempt_id, CHAT, chat)
         except RequestError as exc:
-            raw = getattr(exc, "raw", None)
-            if raw is not None:  # the policy server's own error answer, already in OpenAI's shape
+            raw = getattr(exc, "raw", None)  # a CallFailed: the policy server's own error answer, if it gave one
+            if raw is not None:  # already in OpenAI's shape
                 return Response(raw, exc.status, media_type="application/json")
             return error_response(exc.status, str(exc))
         out = responses.response(answer.response, body)
-        self.memory.add(attempt, out["id"], responses.Stored(previous, (*added,
-                                                                        responses.answer_message(answer.response))))
-        if stream:
-            return StreamingResponse(_frames(responses.response_events(out)), media_type=EVENT_STREAM)
+        keep(out["id"], answer.response)
         return JSONResponse(out)
 
     async def _body(self, request: Request, anthropic_key: bool = False) -> dict[str, Any]:
@@ -131,6 +139,43 @@ class TranslatedApis:
         return ended
 
 
-async def _frames(frames: Iterator[bytes]):
-    for frame in frames:
-        yield frame
+def streamed(chat: dict[str, Any]) -> dict[str, Any]:
+    """The chat request streamed, its usage asked for (the translations report it at the end)."""
+    return {**chat, "stream": True, "stream_options": {"include_usage": True}}
+
+
+class TranslatedEventStream(EventStreamResponse):
+    """A streamed chat call relayed as another API's events: ``events`` turns each chunk into that API's frames.
+
+    ``events`` has ``start()`` (the frames before any chunk), ``add(chunk)``
+    and ``end(answer, error)`` (the closing frames, from the chunks assembled,
+    or the error the call broke off with). As for a chat stream, a client
+    that disconnects cancels the relay and the call is recorded incomplete,
+    and at the end the call is recorded before the closing frames go out;
+    ``finished(answer)`` runs then, when the answer came whole and was recorded.
+    """
+
+    def __init__(self, stream: CallStream, events: Any, finished: Callable[[dict[str, Any]], None] | None = None):
+        super().__init__(stream)
+        self.events, self.finished = events, finished
+
+    async def _relay(self, send) -> None:
+        stream, events = self.stream, self.events
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                (b"cache-control", b"no-cache")]})
+        try:
+            frames = events.start()
+            async for chunk in stream:
+                frames += events.add(chunk.data)
+                if frames:
+                    await send({"type": "http.response.body", "body": b"".join(frames), "more_body": True})
+                    frames = []
+        finally:
+            await stream.close()
+        error = stream.error or stream.record_error
+        answer = stream.assembly.response() if stream.assembly.chunks else None
+        tail = events.end(answer, error)
+        if error is None and answer is not None and self.finished is not None:
+            self.finished(answer)
+        await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})

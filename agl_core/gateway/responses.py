@@ -7,8 +7,9 @@ messages with text parts, ``function_call`` and ``function_call_output``),
 gateway translates a request into the chat request the policy understands
 (:func:`chat_request`), makes that chat call exactly as for an agent that
 called ``chat/completions`` (same checks, same span with the same token ids),
-and translates the answer into a response (:func:`response`) or its event
-stream (:func:`response_events`). :class:`ResponseMemory` keeps the responses
+and translates the answer into a response (:func:`response`), or a streamed
+chat call's chunks into the Responses events as they come
+(:class:`ResponseEvents`). :class:`ResponseMemory` keeps the responses
 of the running attempts, so a call may continue one with
 ``previous_response_id``.
 
@@ -42,7 +43,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from agl_core.gateway.translate import first_choice, new_id, refuse_unknown, require, server_sent_event, usage_of
 from agl_core.http_rules import RequestError
@@ -246,8 +247,13 @@ def _tool_choice(choice: Any) -> Any:
 # ---------------------------------------------------------------- answer
 
 
-def response(answer: dict[str, Any], request: dict[str, Any], response_id: str | None = None) -> dict[str, Any]:
-    """The Responses object of a chat completion (its first choice), for ``request`` (the Responses body)."""
+def response(answer: dict[str, Any], request: dict[str, Any], response_id: str | None = None,
+             item_ids: list[str] = ()) -> dict[str, Any]:
+    """The Responses object of a chat completion (its first choice), for ``request`` (the Responses body).
+
+    ``item_ids`` names the output items in order (those a stream already
+    announced); the others get fresh ids.
+    """
     choice = first_choice(answer)
     output: list[dict[str, Any]] = []
     cut = choice["finish_reason"] == "length"
@@ -260,6 +266,8 @@ def response(answer: dict[str, Any], request: dict[str, Any], response_id: str |
         output.append({"type": "function_call", "id": new_id("fc_"), "call_id": call.get("id") or new_id("call_"),
                        "name": function.get("name"), "arguments": function.get("arguments") or "{}",
                        "status": "completed"})
+    for item, item_id in zip(output, item_ids):
+        item["id"] = item_id
     prompt_tokens, completion_tokens = usage_of(answer)
     return {
         "id": response_id or new_id("resp_"), "object": "response", "created_at": int(time.time()),
@@ -288,41 +296,124 @@ def answer_message(answer: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
-def response_events(done: dict[str, Any]) -> Iterator[bytes]:
-    """The SSE frames that stream ``done`` (a :func:`response`), in the order OpenAI sends them.
+class ResponseEvents:
+    """The Responses event stream of a streamed chat call, made chunk by chunk (chunks in, SSE frames out).
 
-    ``response.created`` and ``response.in_progress`` (no output yet); per
-    output item ``response.output_item.added``, then for a message
-    ``response.content_part.added`` / ``response.output_text.delta`` /
-    ``response.output_text.done`` / ``response.content_part.done``, for a
-    function call ``response.function_call_arguments.delta`` / ``.done``;
-    ``response.output_item.done``; last ``response.completed`` (or
-    ``response.incomplete``). Every event has its ``sequence_number``.
+    The first frames (:meth:`start`) are ``response.created`` and
+    ``response.in_progress``. :meth:`add` each ``chat.completion.chunk`` as it
+    arrives: text opens a message item (``response.output_item.added``,
+    ``response.content_part.added``) and becomes ``response.output_text.delta``
+    events; each tool call opens a ``function_call`` item and its argument
+    fragments become ``response.function_call_arguments.delta`` events.
+    :meth:`end` closes the open item (``….done`` events, from the whole
+    answer), sends the items the stream did not show (an empty message), and
+    ``response.completed`` (``response.incomplete`` for an answer cut at
+    ``max_output_tokens``); or, when the call broke off, an ``error`` event.
+    Every event has its ``sequence_number``. :attr:`done` is then the final
+    response object.
     """
-    counter = iter(range(1 << 62))
 
-    def event(kind: str, **fields: Any) -> bytes:
-        return server_sent_event(kind, {"type": kind, "sequence_number": next(counter), **fields})
+    def __init__(self, request: dict[str, Any]):
+        self.request = request
+        self.id = new_id("resp_")
+        self.done: dict[str, Any] | None = None
+        self._sequence = 0
+        self._items: list[dict[str, Any]] = []  # the items announced, as announced
+        self._pieces: list[list[str]] = []  # each item's text or argument fragments so far
+        self._open: tuple[str, Any] | None = None  # ("message", None) or ("call", the call's index in the chunk)
 
-    pending = {**done, "status": "in_progress", "incomplete_details": None, "output": [], "usage": None}
-    yield event("response.created", response=pending)
-    yield event("response.in_progress", response=pending)
-    for index, item in enumerate(done["output"]):
+    def start(self) -> list[bytes]:
+        pending = response({}, self.request, self.id)
+        pending.update(status="in_progress", incomplete_details=None, output=[], usage=None)
+        return [self._event("response.created", response=pending), self._event("response.in_progress",
+                                                                              response=pending)]
+
+    def add(self, chunk: dict[str, Any]) -> list[bytes]:
+        frames: list[bytes] = []
+        for choice in chunk.get("choices") or ():
+            if choice.get("index", 0) != 0:
+                continue  # the first choice is the answer, as in a call not streamed
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                if self._open != ("message", None):
+                    frames += self._close_item(None)
+                    frames += self._open_item(("message", None), {
+                        "type": "message", "id": new_id("msg_"), "status": "in_progress", "role": "assistant",
+                        "content": []})
+                    frames.append(self._event("response.content_part.added", **self._at(), part={
+                        "type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+                self._pieces[-1].append(delta["content"])
+                frames.append(self._event("response.output_text.delta", **self._at(), delta=delta["content"],
+                                          logprobs=[]))
+            for call in delta.get("tool_calls") or ():
+                key = ("call", call.get("index", 0))
+                function = call.get("function") or {}
+                if self._open != key:
+                    frames += self._close_item(None)
+                    frames += self._open_item(key, {
+                        "type": "function_call", "id": new_id("fc_"), "call_id": call.get("id") or new_id("call_"),
+                        "name": function.get("name"), "arguments": "", "status": "in_progress"})
+                if function.get("arguments"):
+                    item = self._items[-1]
+                    self._pieces[-1].append(function["arguments"])
+                    frames.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                              output_index=len(self._items) - 1, delta=function["arguments"]))
+        return frames
+
+    def end(self, answer: dict[str, Any] | None, error: str | None) -> list[bytes]:
+        """The closing frames: of the whole ``answer`` (the chunks assembled), or the ``error`` it broke off with."""
+        if error is not None or answer is None:
+            return [self._event("error", code="server_error", param=None,
+                                message=error or "the policy server's stream had no chunk")]
+        done = response(answer, self.request, self.id, [item["id"] for item in self._items])
+        frames = self._close_item(done)
+        for index in range(len(self._items), len(done["output"])):  # items no chunk showed (an empty message)
+            item = done["output"][index]
+            if item["type"] == "message":
+                frames += self._open_item(("message", None), {**item, "status": "in_progress", "content": []})
+                frames.append(self._event("response.content_part.added", **self._at(),
+                                          part={**item["content"][0], "text": ""}))
+            else:
+                frames += self._open_item(("call", index), {**item, "status": "in_progress", "arguments": ""})
+            frames += self._close_item(done)
+        self.done = done
+        kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
+        return frames + [self._event(kind, response=done)]
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        self._sequence += 1
+        return server_sent_event(kind, {"type": kind, "sequence_number": self._sequence - 1, **fields})
+
+    def _at(self) -> dict[str, Any]:
+        return {"item_id": self._items[-1]["id"], "output_index": len(self._items) - 1, "content_index": 0}
+
+    def _open_item(self, key: tuple[str, Any], item: dict[str, Any]) -> list[bytes]:
+        self._open = key
+        self._items.append(item)
+        self._pieces.append([])
+        return [self._event("response.output_item.added", output_index=len(self._items) - 1, item=item)]
+
+    def _close_item(self, done: dict[str, Any] | None) -> list[bytes]:
+        """The ``….done`` events of the open item: its final form from ``done``, else from what it streamed."""
+        if self._open is None:
+            return []
+        self._open = None
+        index = len(self._items) - 1
+        item = done["output"][index] if done is not None else self._streamed(index)
+        frames = []
         if item["type"] == "message":
-            yield event("response.output_item.added", output_index=index,
-                        item={**item, "status": "in_progress", "content": []})
-            for part_index, part in enumerate(item["content"]):
-                at = {"item_id": item["id"], "output_index": index, "content_index": part_index}
-                yield event("response.content_part.added", **at, part={**part, "text": ""})
-                yield event("response.output_text.delta", **at, delta=part["text"], logprobs=[])
-                yield event("response.output_text.done", **at, text=part["text"], logprobs=[])
-                yield event("response.content_part.done", **at, part=part)
+            part = item["content"][0]
+            frames += [self._event("response.output_text.done", **self._at(), text=part["text"], logprobs=[]),
+                       self._event("response.content_part.done", **self._at(), part=part)]
         else:
-            yield event("response.output_item.added", output_index=index,
-                        item={**item, "status": "in_progress", "arguments": ""})
-            at = {"item_id": item["id"], "output_index": index}
-            yield event("response.function_call_arguments.delta", **at, delta=item["arguments"])
-            yield event("response.function_call_arguments.done", **at, name=item["name"],
-                        arguments=item["arguments"])
-        yield event("response.output_item.done", output_index=index, item=item)
-    yield event("response.completed" if done["status"] == "completed" else "response.incomplete", response=done)
+            frames.append(self._event("response.function_call_arguments.done", item_id=item["id"],
+                                      output_index=index, name=item["name"], arguments=item["arguments"]))
+        return frames + [self._event("response.output_item.done", output_index=index, item=item)]
+
+    def _streamed(self, index: int) -> dict[str, Any]:
+        """Item ``index`` as its chunks made it (closed by the next item, before the answer is whole)."""
+        item, pieces = self._items[index], "".join(self._pieces[index])
+        if item["type"] == "message":
+            return {**item, "status": "completed",
+                    "content": [{"type": "output_text", "text": pieces, "annotations": [], "logprobs": []}]}
+        return {**item, "arguments": pieces, "status": "completed"}

@@ -48,9 +48,12 @@ def first_choice(answer: dict[str, Any]) -> dict[str, Any]:
 
 
 def usage_of(answer: dict[str, Any]) -> tuple[int, int]:
-    """``(prompt_tokens, completion_tokens)`` of a chat completion (0 where the server gave none)."""
-    usage = answer.get("usage") or {}
-    return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    """``(prompt_tokens, completion_tokens)`` of a chat completion: its ``usage``, else its token ids counted."""
+    usage = answer.get("usage")
+    if isinstance(usage, dict):
+        return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    choices = answer.get("choices") or [{}]
+    return len(answer.get("prompt_token_ids") or ()), len((choices[0] or {}).get("token_ids") or ())
 
 
 def tool_arguments(arguments: Any) -> dict[str, Any]:
