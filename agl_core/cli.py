@@ -1,10 +1,16 @@
-"""The ``agl`` command: train, plugins, config show, doctor, export, plot, serve store|gateway, runner."""
+"""The ``agl`` command: train, plugins, config show, doctor, export, plot, serve store|gateway, runner, new-plugin.
+
+Options, ``-p`` flags and ``key=value`` overrides may come in any order after
+the subcommand (``agl train RECIPE -p NAME key=value`` or ``agl train -p NAME
+RECIPE key=value``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import platform
 import signal
 import sys
@@ -13,7 +19,7 @@ from pathlib import Path
 
 from agl_core import HOOK_API_VERSION, __version__
 from agl_core.config import ConfigError, load, resolved, to_yaml
-from agl_core.plugins import HOOK_KINDS, PluginError, PluginSet, parse_plugin_flags
+from agl_core.plugins import HOOK_KINDS, TRACE_ENV, PluginError, PluginSet, did_you_mean, parse_plugin_flags
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,8 +35,31 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+class IntermixedParser(argparse.ArgumentParser):
+    """A (sub)command parser whose options and positionals may come in any order.
+
+    argparse matches ``RECIPE`` and ``overrides`` (``nargs="*"``) in one go,
+    so a ``-p NAME`` between them left ``key=value`` unrecognized; the
+    intermixed parse reads the options first. A parser with subcommands of its
+    own (``config``, ``serve``) parses as usual: its subcommand's parser is
+    intermixed.
+    """
+
+    _intermixing = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        has_subcommands = any(isinstance(a, argparse._SubParsersAction) for a in self._actions)
+        if self._intermixing or has_subcommands:
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True  # parse_known_intermixed_args calls parse_known_args itself
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="agl", description="Train LLM agents with reinforcement learning.")
+    parser = IntermixedParser(prog="agl", description="Train LLM agents with reinforcement learning.")
     parser.add_argument("--version", action="version", version=f"agl_core {__version__}")
     plugin_flag = argparse.ArgumentParser(add_help=False)
     plugin_flag.add_argument("-p", dest="plugin_flags", action="append", default=[], metavar="NAME",
@@ -40,12 +69,24 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", parents=[plugin_flag], help="run a recipe")
     train.add_argument("recipe", help="YAML recipe")
     train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=50")
+    train.add_argument("--trace-hooks", action="store_true",
+                       help=f"log every hook call: plugin, duration, result (as {TRACE_ENV}=1 does)")
     train.set_defaults(run=cmd_train)
 
     plugins = sub.add_parser("plugins", parents=[plugin_flag], help="list installed plugins")
-    plugins.add_argument("--json", action="store_true", help="machine-readable output")
+    plugins.add_argument("--json", action="store_true",
+                         help="machine-readable output (with each hook's kind and the plugin's AGL_ORDER)")
     plugins.add_argument("--hook", help="only plugins implementing this hook")
+    plugins.add_argument("-v", "--verbose", action="store_true",
+                         help="show a failed plugin's import traceback and every warning")
     plugins.set_defaults(run=cmd_plugins)
+
+    new_plugin = sub.add_parser("new-plugin", help="render a new plugin distribution from the template")
+    new_plugin.add_argument("name", help="the plugin's name (its entry point)")
+    new_plugin.add_argument("--hook", action="append", default=[], metavar="HOOK",
+                            help="a hook the plugin implements; repeatable")
+    new_plugin.add_argument("-o", "--output", default=None, metavar="DIR", help="where to write the distribution")
+    new_plugin.set_defaults(run=cmd_new_plugin)
 
     config = sub.add_parser("config", help="inspect recipes")
     config_sub = config.add_subparsers(required=True, metavar="ACTION")
@@ -54,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("overrides", nargs="*")
     show.set_defaults(run=cmd_config_show)
 
-    doctor = sub.add_parser("doctor", parents=[plugin_flag], help="versions, and which plugin fills each slot")
+    doctor = sub.add_parser("doctor", parents=[plugin_flag],
+                            help="versions, registered components and their plugins, and which plugin fills each slot")
     doctor.add_argument("recipe", nargs="?")
     doctor.add_argument("overrides", nargs="*")
     doctor.set_defaults(run=cmd_doctor)
@@ -133,6 +175,8 @@ def cmd_train(args) -> int:
     from agl_core.checkpoint import latest_checkpoint
     from agl_core.loop import Trainer
 
+    if args.trace_hooks:
+        os.environ[TRACE_ENV] = "1"  # read when the plugin set is loaded
     signal.signal(signal.SIGTERM, _interrupt)
     trainer = None
     try:
@@ -154,13 +198,19 @@ def cmd_train(args) -> int:
 
 
 def cmd_plugins(args) -> int:
+    """List the installed plugins: status, hooks, wrappers, warnings (``--verbose``: import tracebacks)."""
+    if args.hook is not None and args.hook not in HOOK_KINDS:
+        raise PluginError(f"--hook {args.hook!r}: no such hook{did_you_mean(args.hook, HOOK_KINDS)}; "
+                          f"hooks: {', '.join(sorted(HOOK_KINDS))}")
     enable, disable = parse_plugin_flags(args.plugin_flags)
     pset = PluginSet.load(enable=enable, disable=disable)
     rows = [
         {"name": p.name, "distribution": p.distribution, "version": p.version, "status": p.status,
-         "builtin": p.builtin, "hooks": p.hooks, "reason": p.reason}
+         "builtin": p.builtin, "hooks": p.hooks, "hook_kinds": {hook: HOOK_KINDS[hook] for hook in p.hooks},
+         "wrappers": p.wrappers, "order": p.order if p.obj is not None else None,
+         "warnings": p.warnings, "reason": p.reason, "traceback": p.traceback}
         for p in pset.plugins.values()
-        if args.hook is None or args.hook in p.hooks
+        if args.hook is None or args.hook in p.hooks or args.hook in p.wrappers
     ]
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -173,9 +223,27 @@ def cmd_plugins(args) -> int:
         table.add_column(column)
     for row in rows:
         status = row["status"] + (f": {row['reason']}" if row["reason"] and row["status"] != "active" else "")
-        table.add_row(row["name"], row["distribution"] or "", row["version"] or "", status, ", ".join(row["hooks"]))
-    Console(width=160).print(table)
+        hooks = ", ".join(row["hooks"] + [f"{hook} (wrapper)" for hook in row["wrappers"]])
+        if row["warnings"]:
+            status += f" ({len(row['warnings'])} warning{'s' * (len(row['warnings']) > 1)})"
+        table.add_row(row["name"], row["distribution"] or "", row["version"] or "", status, hooks)
+    console = Console(width=160)
+    console.print(table)
+    for row in rows:
+        for warning in row["warnings"]:
+            console.print(f"warning: plugin {row['name']}: {warning}", markup=False, highlight=False)
+        if args.verbose and row["traceback"]:
+            console.print(f"\nplugin {row['name']} failed to import:\n{row['traceback']}", markup=False,
+                          highlight=False)
+    if not args.verbose and any(row["traceback"] for row in rows):
+        console.print("(agl plugins --verbose shows the import tracebacks)", markup=False, highlight=False)
     return 0
+
+
+def cmd_new_plugin(args) -> int:
+    from agl_core.new_plugin import main as new_plugin
+
+    return new_plugin(args)
 
 
 def cmd_config_show(args) -> int:
@@ -185,6 +253,9 @@ def cmd_config_show(args) -> int:
 
 
 def cmd_doctor(args) -> int:
+    """Versions; the registered components with their plugins; with a recipe, who fills each slot."""
+    from agl_core.components import Components
+
     print(f"python     {platform.python_version()}")
     print(f"agl_core   {__version__} (hook API {HOOK_API_VERSION})")
     for dist in ("torch", "verl", "ray", "transformers", "tensordict", "pluggy", "pydantic", "omegaconf"):
@@ -194,12 +265,18 @@ def cmd_doctor(args) -> int:
             version = "not installed"
         print(f"{dist:<10} {version}")
     if args.recipe is None:
+        recipe = None
+        enable, disable = parse_plugin_flags(args.plugin_flags)
+        plugins = PluginSet.load(enable=enable, disable=disable)
+    else:
+        recipe, plugins = load(args.recipe, args.overrides, args.plugin_flags)
+    components = Components.collect(plugins)
+    print_components(components, plugins)
+    if recipe is None:
         return 0
-    from agl_core.components import Components
     from agl_core.wiring import needed_slots
 
-    recipe, plugins = load(args.recipe, args.overrides, args.plugin_flags)
-    needed, _, _ = needed_slots(recipe, Components.collect(plugins), validates=True)
+    needed, _, _ = needed_slots(recipe, components, validates=True)
     print(f"\nrecipe {args.recipe}\nslots:")
     problems = 0
     for hook in sorted(h for h, kind in HOOK_KINDS.items() if kind == "slot"):
@@ -214,6 +291,30 @@ def cmd_doctor(args) -> int:
     stages = plugins.pipeline("post_process_batch", recipe.plugins.order.get("post_process_batch"))
     print("post_process_batch pipeline: " + (" -> ".join(n for n, _ in stages) or "(empty)"))
     return 1 if problems else 0
+
+
+DOCTOR_KINDS = (("estimator", "estimators"), ("policy_loss", "policy losses"), ("aggregator", "aggregators"),
+                ("store", "stores"), ("actor_transform", "actor transforms"))
+
+
+def print_components(components, plugins: PluginSet) -> None:
+    """Each registered component and logger with the plugin that provides it; inactive providers marked."""
+    from agl_core.components import REGISTRATION_HOOKS, offered_names
+
+    for kind, title in DOCTOR_KINDS:
+        print(f"\n{title}:")
+        rows = [(c.name, c.plugin) for c in components.all(kind)]
+        for plugin in plugins.plugins.values():
+            if plugin.status == "active":
+                continue
+            for name in offered_names(plugin, REGISTRATION_HOOKS[kind]):
+                rows.append((name, f"{plugin.name} (not active: -p {plugin.name})"))
+        for name, owner in sorted(rows) or [("(none)", "")]:
+            print(f"  {name:<32} {owner}")
+    print("\nloggers (log_metrics):")
+    active = {name for name, _ in plugins.implementations("log_metrics")}
+    for name in plugins.providers("log_metrics"):
+        print(f"  {name}{'' if name in active else f' (not active: -p {name})'}")
 
 
 def cmd_export(args) -> int:

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from agl_core.plugins import HOOK_KINDS, RESERVED_NAMES, PluginError, PluginSet, parse_plugin_flags
+from agl_core.plugins import HOOK_KINDS, RESERVED_NAMES, PluginError, PluginSet, did_you_mean, parse_plugin_flags
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -252,17 +252,25 @@ def validate_recipe(data: dict[str, Any]) -> Recipe:
         raise ConfigError(explain(exc, Recipe)) from None
     for hook in recipe.plugins.slots:
         if HOOK_KINDS.get(hook) != "slot":
-            raise ConfigError(f"plugins.slots.{hook}: not a slot hook; slots: {', '.join(_hooks('slot'))}")
+            raise ConfigError(f"plugins.slots.{hook}: not a slot hook{did_you_mean(hook, _hooks('slot'))}; "
+                              f"slots: {', '.join(_hooks('slot'))}")
     for hook in recipe.plugins.order:
         if HOOK_KINDS.get(hook) != "pipeline":
             raise ConfigError(
-                f"plugins.order.{hook}: not a pipeline hook; pipelines: {', '.join(_hooks('pipeline'))}"
+                f"plugins.order.{hook}: not a pipeline hook{did_you_mean(hook, _hooks('pipeline'))}; "
+                f"pipelines: {', '.join(_hooks('pipeline'))}"
             )
     return recipe
 
 
 def validate_plugin_sections(recipe: Recipe, plugins: PluginSet) -> None:
-    """Validate each ``plugins.<name>`` section with the model that plugin supplies."""
+    """Validate each ``plugins.<name>`` section with the model that plugin supplies.
+
+    An active plugin the recipe gives no section (a built-in, or one enabled
+    with ``-p NAME``) is validated as an empty section, so a required setting
+    it lacks is named ``plugins.<name>.<key>``. The results are also the
+    ``settings`` the plugin set hands to the ``register_*`` hooks.
+    """
     schemas = plugins.broadcast("plugin_config_schema")
     for name, section in recipe.plugins.sections.items():
         schema = schemas.get(name)
@@ -270,13 +278,20 @@ def validate_plugin_sections(recipe: Recipe, plugins: PluginSet) -> None:
             if section:
                 raise ConfigError(f"plugins.{name}: plugin {name!r} takes no settings, got {section!r}")
             continue
-        try:
-            recipe.plugin_config[name] = schema.model_validate(section)
-        except ValidationError as exc:
-            raise ConfigError(explain(exc, schema, prefix=f"plugins.{name}")) from None
+        recipe.plugin_config[name] = _validate_section(name, schema, section)
     for name, schema in schemas.items():
         if schema is not None and name not in recipe.plugin_config:
-            recipe.plugin_config[name] = schema()
+            recipe.plugin_config[name] = _validate_section(name, schema, {})
+    plugins.settings = recipe.plugin_config
+
+
+def _validate_section(name: str, schema: type[BaseModel], section: Any) -> BaseModel:
+    try:
+        return schema.model_validate(section)
+    except ValidationError as exc:
+        hint = (f"\n  (plugin {name!r} has no section in the recipe: set its keys under plugins.{name} "
+                f"or with overrides plugins.{name}.KEY=VALUE)" if not section else "")
+        raise ConfigError(explain(exc, schema, prefix=f"plugins.{name}") + hint) from None
 
 
 def load(
@@ -292,8 +307,11 @@ def load(
     """
     recipe = validate_recipe(read_recipe(path, list(overrides)))
     enable, disable = parse_plugin_flags(plugin_flags)
-    recipe.plugins.enable = list(dict.fromkeys(recipe.plugins.enable + enable))
-    recipe.plugins.disable = list(dict.fromkeys(recipe.plugins.disable + disable))
+    # The command line wins over the recipe, as in pytest: -p no:NAME switches off a plugin the recipe
+    # enables (its section goes with it), -p NAME one the recipe disables.
+    recipe.plugins.enable = [n for n in dict.fromkeys(recipe.plugins.enable + enable) if n not in disable]
+    recipe.plugins.disable = [n for n in dict.fromkeys(recipe.plugins.disable + disable) if n not in enable]
+    recipe.plugins.sections = {k: v for k, v in recipe.plugins.sections.items() if k not in disable}
     extra_names = {name for name, _ in extra_plugins}
     try:
         plugins = PluginSet.load(
@@ -335,7 +353,10 @@ def explain(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> s
         path = ".".join(([prefix] if prefix else []) + loc)
         if err["type"] == "extra_forbidden":
             allowed = ", ".join(_fields_at(model, err["loc"][:-1])) or "none"
-            lines.append(f"{path}: unknown key (allowed keys: {allowed})")
+            lines.append(f"{path}: unknown key{did_you_mean(loc[-1], _fields_at(model, err['loc'][:-1]))} "
+                         f"(allowed keys: {allowed})")
+        elif err["type"] == "missing":
+            lines.append(f"{path}: required setting is missing")
         else:
             got = err.get("input")
             lines.append(f"{path}: {err['msg']} (got {got!r})")

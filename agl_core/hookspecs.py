@@ -19,6 +19,24 @@ pipeline
     batch. The order is printed at start-up.
 broadcast
     Every active implementation runs; results are collected per plugin.
+    Implementations marked ``tryfirst`` run first, ``trylast`` last, the
+    others in registration order (the plugins' names).
+
+Wrappers. Calls go through pluggy's own caller, and each call the core makes
+reaches exactly one implementation: the slot's, one stage of a pipeline, one
+plugin's of a broadcast. Every active wrapper of the hook
+(``@hookimpl(wrapper=True)``, or the old ``hookwrapper=True``) wraps each
+such call; its ``result = yield`` is that implementation's return value
+(hooks are ``firstresult`` specs), which the wrapper may replace by returning
+another. So a timing or tracing plugin sees the slot's call, every stage and
+every plugin's share of a broadcast. ``tryfirst``/``trylast`` order pipeline
+stages (before ``AGL_ORDER``) and broadcast calls, and wrappers among
+themselves; on a slot's implementation they are refused at load (the recipe
+chooses the slot's plugin). ``AGL_TRACE_HOOKS=1`` logs every call.
+
+What each hook returns is checked: a stage returning ``None``, an
+``advantage`` without ``advantages`` of the responses' shape, … stop the run
+with an error naming the plugin, the hook and what was expected.
 
 Every hook is synchronous: an ``async def`` implementation is refused at load.
 Arguments are passed by keyword; an implementation may accept any subset of a
@@ -42,11 +60,12 @@ if TYPE_CHECKING:
     from agl_core.data import Batch, Rollout, Task
 
 PROJECT = "agl"
-HOOK_API_VERSION = "1.1"
-"""Version of this contract. A plugin declares the version it was written
-against as ``AGL_HOOK_API``; the major numbers must match and the plugin's minor
-number may not be newer than the core's. 1.1 added ``register_actor_transforms``
-and ``export_model``."""
+HOOK_API_VERSION = "1.2"
+"""Version of this contract, the string ``"MAJOR.MINOR"``. A plugin declares the
+version it was written against as ``AGL_HOOK_API``; the major numbers must match
+and the plugin's minor number may not be newer than the core's. 1.1 added
+``register_actor_transforms`` and ``export_model``; 1.2 added the ``settings``
+argument of the ``register_*`` hooks."""
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 
@@ -56,7 +75,9 @@ SLOT, PIPELINE, BROADCAST = "slot", "pipeline", "broadcast"
 def _kind(kind: str) -> Callable[[Callable], Callable]:
     def mark(fn: Callable) -> Callable:
         fn.agl_kind = kind
-        return hookspec(fn)
+        # Every call the core makes reaches one implementation (plugins.PluginSet.call), so a
+        # wrapper's ``yield`` gives that implementation's own return value, not a list of one.
+        return hookspec(firstresult=True)(fn)
 
     return mark
 
@@ -75,27 +96,37 @@ def plugin_config_schema() -> type[BaseModel] | None:
 
     Kind: broadcast, asked of each plugin separately at start-up.
     The section lives at ``plugins.<plugin name>`` in the recipe. The core
-    validates it with this model (unknown keys are errors) and stores the
-    result in ``ctx.plugin_config[<plugin name>]``. Return ``None`` or do not
+    validates it with this model (unknown keys are errors; a missing required
+    key is an error naming ``plugins.<name>.<key>``). Hooks read the result
+    with ``ctx.plugin_config("<plugin name>")``; ``register_*`` hooks get it
+    as their ``settings`` argument. Return ``None`` or do not
     implement the hook for a plugin without settings.
     """
 
 
 @broadcast
-def register_estimators(register: Callable[..., None]) -> None:
+def register_estimators(register: Callable[..., None], settings: BaseModel | None) -> None:
     """Register advantage estimators by name.
 
     Kind: broadcast, called once when the plugin set is built.
     Call ``register(name, fn, needs_critic=False)`` for each estimator.
     ``fn(batch, config) -> (advantages, returns)`` receives the step's
     :class:`~agl_core.data.Batch` and the validated ``algorithm`` section and
-    returns two ``(rows, response_length)`` tensors. A name registered by two
-    plugins is an error naming both.
+    returns two ``(rows, response_length)`` tensors; anything else stops the
+    run with an error naming the estimator and its plugin. A name registered
+    by two plugins is an error naming both.
+
+    ``settings`` (every ``register_*`` hook has it) is this plugin's validated
+    recipe section (the model of its ``plugin_config_schema``), or ``None``
+    when the plugin takes no settings or the plugin set was loaded without a
+    recipe (``agl plugins``, ``agl doctor`` alone). An estimator, loss or
+    aggregator that needs its plugin's settings binds them here, e.g.
+    ``register("drgrpo", functools.partial(drgrpo, clip=settings.clip))``.
     """
 
 
 @broadcast
-def register_policy_losses(register: Callable[..., None]) -> None:
+def register_policy_losses(register: Callable[..., None], settings: BaseModel | None) -> None:
     """Register policy losses by name (``algorithm.policy_loss.name``).
 
     Kind: broadcast, called once when the plugin set is built.
@@ -107,7 +138,7 @@ def register_policy_losses(register: Callable[..., None]) -> None:
 
 
 @broadcast
-def register_aggregators(register: Callable[..., None]) -> None:
+def register_aggregators(register: Callable[..., None], settings: BaseModel | None) -> None:
     """Register trace aggregators (rollouts → batch) by name.
 
     Kind: broadcast, called once when the plugin set is built.
@@ -117,7 +148,7 @@ def register_aggregators(register: Callable[..., None]) -> None:
 
 
 @broadcast
-def register_stores(register: Callable[..., None]) -> None:
+def register_stores(register: Callable[..., None], settings: BaseModel | None) -> None:
     """Register rollout store adapters by name (``rollout.store``).
 
     Kind: broadcast, called once when the plugin set is built.
@@ -127,7 +158,7 @@ def register_stores(register: Callable[..., None]) -> None:
 
 
 @broadcast
-def register_actor_transforms(register: Callable[..., None]) -> None:
+def register_actor_transforms(register: Callable[..., None], settings: BaseModel | None) -> None:
     """Register transforms of the actor model (adapters, quantization, …) by name.
 
     Kind: broadcast, called once when the plugin set is built.

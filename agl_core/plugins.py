@@ -9,13 +9,31 @@ A plugin that fails to import or to validate is recorded with the reason and
 is fatal only when it was enabled.
 ``AGL_DISABLE_PLUGIN_AUTOLOAD=1`` stops the import of third-party plugins that
 were not asked for, as pytest's variable of that name does.
+
+Dispatch goes through pluggy's own caller. Every call the core makes reaches
+exactly one (non-wrapper) implementation: :meth:`PluginSet.caller` is
+``PluginManager.subset_hook_caller`` without the other plugins' implementations
+of the hook, so every active wrapper of the hook (``@hookimpl(wrapper=True)``
+or old-style ``hookwrapper=True``) wraps that one call. A wrapper thus wraps
+the slot's call, each stage of a pipeline and each plugin's call of a
+broadcast, and its ``yield`` returns that implementation's result.
+``PluginManager.add_hookcall_monitoring`` and ``enable_tracing`` see the same
+calls; ``AGL_TRACE_HOOKS=1`` logs each of them (:func:`trace_hooks`).
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
+import logging
 import os
+import re
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -30,6 +48,11 @@ BUILTIN_DISTRIBUTION = "agl-core"
 RESERVED_NAMES = frozenset({"slots", "order", "disable"})
 """Keys of the recipe's ``plugins`` section that are settings, not plugin names."""
 DEFAULT_ORDER = 100
+TRACE_ENV = "AGL_TRACE_HOOKS"
+HOOK_API_FORMAT = re.compile(r"^(\d+)\.(\d+)(\.\d+)?$")
+
+log = logging.getLogger("agl_core.plugins")
+trace_log = logging.getLogger("agl_core.hooks")
 
 hookimpl = pluggy.HookimplMarker(hookspecs.PROJECT)
 HOOK_KINDS: dict[str, str] = {
@@ -39,6 +62,12 @@ HOOK_KINDS: dict[str, str] = {
 
 class PluginError(Exception):
     """A plugin cannot be used: missing, failed, invalid or ambiguous."""
+
+
+def did_you_mean(name: str, candidates: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` when a candidate is close to ``name``, else ``""``."""
+    close = difflib.get_close_matches(name, sorted(candidates), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
 @dataclass
@@ -52,6 +81,14 @@ class Plugin:
     reason: str | None = None
     hooks: list[str] = field(default_factory=list)
     obj: Any = None
+    wrappers: list[str] = field(default_factory=list)
+    """Hooks this plugin wraps (``wrapper=True`` or ``hookwrapper=True``)."""
+    warnings: list[str] = field(default_factory=list)
+    """What looks wrong but does not stop the plugin, e.g. a function named like a hook without ``@hookimpl``."""
+    traceback: str | None = None
+    """The import traceback of a plugin that failed to import (``agl plugins --verbose``)."""
+    impls: dict[str, Callable] = field(default_factory=dict, repr=False)
+    """Hook name → this plugin's (non-wrapper) implementation, known once the plugin is validated."""
 
     @property
     def builtin(self) -> bool:
@@ -77,14 +114,16 @@ def autoload_disabled() -> bool:
 
 
 def parse_plugin_flags(flags: Iterable[str]) -> tuple[list[str], list[str]]:
-    """Split ``-p`` values into (enable, disable): ``name`` enables, ``no:name`` disables."""
-    enable, disable = [], []
+    """Split ``-p`` values into (enable, disable): ``name`` enables, ``no:name`` disables.
+
+    For a name given both ways the later flag wins, as in pytest.
+    """
+    last: dict[str, bool] = {}
     for flag in flags:
-        if flag.startswith("no:"):
-            disable.append(flag[3:])
-        else:
-            enable.append(flag)
-    return enable, disable
+        name, enabled = (flag[3:], False) if flag.startswith("no:") else (flag, True)
+        last.pop(name, None)  # re-inserted: the order of the later flag
+        last[name] = enabled
+    return [n for n, on in last.items() if on], [n for n, on in last.items() if not on]
 
 
 def check_hook_api(plugin: Plugin) -> None:
@@ -95,7 +134,14 @@ def check_hook_api(plugin: Plugin) -> None:
             f"plugin {plugin.label} declares no AGL_HOOK_API; "
             f"set AGL_HOOK_API = {HOOK_API_VERSION!r} in the plugin module"
         )
-    major, minor = (int(part) for part in str(declared).split(".")[:2])
+    found = HOOK_API_FORMAT.match(str(declared).strip())
+    if found is None:
+        raise PluginError(
+            f"plugin {plugin.label}: AGL_HOOK_API = {declared!r} is not a hook API version; "
+            f"write it as the string 'MAJOR.MINOR' of the agl_core it was written for, "
+            f"e.g. AGL_HOOK_API = {HOOK_API_VERSION!r} (this agl_core's)"
+        )
+    major, minor = int(found[1]), int(found[2])
     core_major, core_minor = (int(part) for part in HOOK_API_VERSION.split("."))
     if major != core_major or minor > core_minor:
         raise PluginError(
@@ -107,10 +153,17 @@ def check_hook_api(plugin: Plugin) -> None:
 def validate_hookimpls(plugin: Plugin, manager: pluggy.PluginManager) -> list[str]:
     """Check every hook implementation of ``plugin`` against the contract; return the hook names.
 
-    Refused: a hook name the contract does not declare, an argument the hook
-    does not declare, and an ``async def`` implementation (every hook is sync).
+    Refused: a hook name the contract does not declare (with the closest
+    one), an argument the hook does not declare, an ``async def``
+    implementation (every hook is sync), a wrapper that is not a generator
+    function, and ``tryfirst``/``trylast`` on a slot's implementation (one
+    implementation is called; the recipe chooses it with ``plugins.slots``).
+    Fills ``plugin.impls`` and ``plugin.wrappers``, and ``plugin.warnings``
+    with each function named like a hook that lacks ``@hookimpl`` (pluggy
+    would ignore it silently). The returned names are the hooks it implements,
+    wrappers apart.
     """
-    implemented = []
+    implemented, wrappers, impls = [], [], {}
     for attr in dir(plugin.obj):
         opts = manager.parse_hookimpl_opts(plugin.obj, attr)
         if opts is None:
@@ -119,8 +172,8 @@ def validate_hookimpls(plugin: Plugin, manager: pluggy.PluginManager) -> list[st
         hook_name = opts.get("specname") or attr
         if hook_name not in HOOK_KINDS:
             raise PluginError(
-                f"plugin {plugin.label} implements unknown hook {hook_name!r}; "
-                f"known hooks: {', '.join(sorted(HOOK_KINDS))}"
+                f"plugin {plugin.label} implements unknown hook {hook_name!r}"
+                f"{did_you_mean(hook_name, HOOK_KINDS)}; known hooks: {', '.join(sorted(HOOK_KINDS))}"
             )
         spec_args = set(inspect.signature(getattr(hookspecs, hook_name)).parameters)
         extra = [a for a in inspect.signature(fn).parameters if a not in spec_args]
@@ -134,8 +187,48 @@ def validate_hookimpls(plugin: Plugin, manager: pluggy.PluginManager) -> list[st
                 f"plugin {plugin.label}: hook {hook_name!r} is async but the hook is synchronous; "
                 f"define it with 'def'"
             )
+        if opts.get("wrapper") or opts.get("hookwrapper"):
+            if not inspect.isgeneratorfunction(fn):
+                raise PluginError(
+                    f"plugin {plugin.label}: the wrapper of hook {hook_name!r} is not a generator function; "
+                    f"it must 'yield' exactly once (result = yield) around the call it wraps"
+                )
+            wrappers.append(hook_name)
+            continue
+        if HOOK_KINDS[hook_name] == SLOT and (opts.get("tryfirst") or opts.get("trylast")):
+            which = "tryfirst" if opts.get("tryfirst") else "trylast"
+            raise PluginError(
+                f"plugin {plugin.label}: hook {hook_name!r} is a slot (one implementation is called), so "
+                f"{which} has no meaning there; the recipe chooses the slot's plugin with "
+                f"plugins.slots.{hook_name}=<name>"
+            )
         implemented.append(hook_name)
+        impls[hook_name] = fn
+    plugin.wrappers, plugin.impls = sorted(wrappers), impls
+    plugin.warnings = unmarked_hooks(plugin.obj, manager)
     return sorted(implemented)
+
+
+def unmarked_hooks(obj: Any, manager: pluggy.PluginManager) -> list[str]:
+    """A warning for each function of ``obj`` named like a hook but not marked with ``@hookimpl``.
+
+    Only functions defined by the plugin itself count (for a module, those
+    whose ``__module__`` is the module), so an imported helper that happens to
+    share a hook's name (``validate``) is not reported.
+    """
+    own_module = obj.__name__ if inspect.ismodule(obj) else None
+    found = []
+    for name in sorted(HOOK_KINDS):
+        fn = getattr(obj, name, None)
+        if fn is None or not callable(fn) or manager.parse_hookimpl_opts(obj, name) is not None:
+            continue
+        if own_module is not None and getattr(fn, "__module__", None) != own_module:
+            continue
+        if not (inspect.isfunction(fn) or inspect.ismethod(fn)):
+            continue
+        found.append(f"function {name!r} is named like the hook {name!r} but is not marked "
+                     f"@hookimpl, so it is never called; decorate it with @agl_core.hookimpl")
+    return found
 
 
 def discover() -> list[importlib_metadata.EntryPoint]:
@@ -152,6 +245,8 @@ class PluginSet:
     def __init__(self, plugins: list[Plugin], manager: pluggy.PluginManager):
         self.plugins = {p.name: p for p in plugins}
         self.manager = manager
+        self.settings: dict[str, Any] = {}
+        """Plugin name → its validated recipe section, filled when a recipe is validated against this set."""
 
     # ------------------------------------------------------------------ loading
 
@@ -191,6 +286,7 @@ class PluginSet:
                 plugin.obj = ep.load()
             except Exception as exc:  # a broken plugin must never break the CLI
                 plugin.status, plugin.reason = "failed", f"import failed: {type(exc).__name__}: {exc}"
+                plugin.traceback = traceback.format_exc()
                 continue
             cls._admit(plugin, manager, active=plugin.name in enable or not plugin.opt_in)
         for name, obj in extra:
@@ -200,6 +296,8 @@ class PluginSet:
                 cls._admit(plugin, manager, active=True)
         pset = cls(plugins, manager)
         pset._check_enabled(enable)
+        if os.environ.get(TRACE_ENV, "").strip() not in ("", "0", "false"):
+            trace_hooks(manager)
         return pset
 
     @staticmethod
@@ -209,12 +307,15 @@ class PluginSet:
                 raise PluginError(f"plugin {plugin.label} uses the reserved name {plugin.name!r}")
             check_hook_api(plugin)
             plugin.hooks = validate_hookimpls(plugin, manager)
-        except (PluginError, ValueError) as exc:
+            if active:
+                manager.register(plugin.obj, name=plugin.name)
+        except (PluginError, ValueError, pluggy.PluginValidationError) as exc:
             plugin.status, plugin.reason = "failed", str(exc)
             return
         if active:
-            manager.register(plugin.obj, name=plugin.name)
             plugin.status = "active"
+            for warning in plugin.warnings:
+                log.warning("plugin %s: %s", plugin.label, warning)
 
     def _check_enabled(self, enable: list[str]) -> None:
         for name in enable:
@@ -222,7 +323,8 @@ class PluginSet:
             if plugin is None:
                 known = ", ".join(sorted(self.plugins)) or "none"
                 raise PluginError(
-                    f"plugin {name!r} is enabled but not installed (installed plugins: {known})"
+                    f"plugin {name!r} is enabled but not installed{did_you_mean(name, self.plugins)} "
+                    f"(installed plugins: {known})"
                 )
             if plugin.status == "failed":
                 raise PluginError(f"plugin {plugin.label} is enabled but failed: {plugin.reason}")
@@ -231,14 +333,52 @@ class PluginSet:
 
     # ----------------------------------------------------------------- dispatch
 
-    def implementations(self, hook: str) -> list[tuple[str, Callable]]:
-        """(plugin name, function) of every active implementation of ``hook``, in registration order."""
-        impls = getattr(self.manager.hook, hook).get_hookimpls()
-        return [(impl.plugin_name, impl.function) for impl in impls]
+    def implementations(self, hook: str) -> list[tuple[str, "HookCall"]]:
+        """(plugin name, call) of every active implementation of ``hook`` that is not a wrapper.
+
+        In the order a broadcast calls them: ``tryfirst`` ones first, ``trylast``
+        ones last, the rest in registration order. Each :class:`HookCall` goes
+        through pluggy, so the hook's wrappers wrap it.
+        """
+        impls = [impl for impl in getattr(self.manager.hook, hook).get_hookimpls() if not _is_wrapper(impl)]
+        impls.sort(key=lambda impl: 0 if impl.tryfirst else 2 if impl.trylast else 1)
+        return [(impl.plugin_name, HookCall(self, hook, impl.plugin_name)) for impl in impls]
+
+    def caller(self, hook: str, plugin: str) -> pluggy.HookCaller:
+        """pluggy's caller of ``hook`` that reaches ``plugin``'s implementation and every wrapper of the hook.
+
+        ``PluginManager.subset_hook_caller`` without the plugins that implement
+        the hook otherwise, so wrappers, ``tryfirst``/``trylast`` among
+        wrappers, and hook-call monitoring hold. A plugin that both implements
+        and wraps the same hook (``specname``) wraps only its own calls.
+        """
+        hook_caller = getattr(self.manager.hook, hook)
+        others = [impl.plugin for impl in hook_caller.get_hookimpls()
+                  if impl.plugin_name != plugin and not _is_wrapper(impl)]
+        return self.manager.subset_hook_caller(hook, others)
+
+    def call(self, hook: str, plugin: str, **kwargs: Any) -> Any:
+        """Call ``plugin``'s implementation of ``hook`` through pluggy and check what it returned.
+
+        Every argument of the hook is passed by keyword (pluggy hands each
+        implementation the ones it declares). A result of the wrong kind
+        (a stage returning ``None``, an ``advantage`` without ``advantages``)
+        is a :class:`PluginError` naming the plugin, the hook and what was
+        expected.
+        """
+        result = self.caller(hook, plugin)(**kwargs)
+        problem = result_problem(hook, result, kwargs)
+        if problem is not None:
+            raise PluginError(f"plugin {self.label(plugin)}: hook {hook!r} {problem}")
+        return result
+
+    def label(self, name: str) -> str:
+        plugin = self.plugins.get(name)
+        return plugin.label if plugin is not None else repr(name)
 
     def resolve_slot(self, hook: str, choice: str | None = None,
-                     required: bool = True) -> tuple[str, Callable] | None:
-        """(plugin name, function) of the one implementation that fills slot ``hook``.
+                     required: bool = True) -> tuple[str, "HookCall"] | None:
+        """(plugin name, call) of the one implementation that fills slot ``hook``.
 
         ``choice`` is the recipe's ``plugins.slots.<hook>``. Without a choice,
         a single candidate the recipe enabled (third-party or opt-in built-in)
@@ -249,8 +389,9 @@ class PluginSet:
         candidates = dict(self.implementations(hook))
         if choice is not None:
             if choice not in candidates:
+                hint = did_you_mean(choice, candidates) or did_you_mean(choice, self.plugins)
                 raise PluginError(
-                    f"plugins.slots.{hook} names {choice!r}, which does not implement it; "
+                    f"plugins.slots.{hook} names {choice!r}, which does not implement it{hint}; "
                     f"candidates: {', '.join(candidates) or 'none'}"
                 )
             return choice, candidates[choice]
@@ -270,27 +411,36 @@ class PluginSet:
             f"choose one with plugins.slots.{hook}=<name>"
         )
 
-    def pipeline(self, hook: str, order: list[str] | None = None) -> list[tuple[str, Callable]]:
+    def pipeline(self, hook: str, order: list[str] | None = None) -> list[tuple[str, "HookCall"]]:
         """The stages of pipeline ``hook`` in the order they run.
 
         ``order`` is the recipe's ``plugins.order.<hook>``: when given it must
-        name every active implementation exactly once.
+        name every active implementation exactly once. Otherwise stages marked
+        ``tryfirst`` run first and ``trylast`` last, each group by the plugin's
+        ``AGL_ORDER``, then name.
         """
         assert HOOK_KINDS[hook] == PIPELINE, f"{hook} is not a pipeline"
         stages = dict(self.implementations(hook))
         if order is None:
-            return sorted(stages.items(), key=lambda s: (self.plugins[s[0]].order, s[0]))
+            tier = {impl.plugin_name: 0 if impl.tryfirst else 2 if impl.trylast else 1
+                    for impl in getattr(self.manager.hook, hook).get_hookimpls() if not _is_wrapper(impl)}
+            return sorted(stages.items(), key=lambda s: (tier[s[0]], self.plugins[s[0]].order, s[0]))
         if sorted(order) != sorted(stages):
+            unknown = "".join(f" ({name!r}{did_you_mean(name, stages)})" for name in order if name not in stages)
             raise PluginError(
-                f"plugins.order.{hook} lists {order}, but the active stages are {sorted(stages)}; "
+                f"plugins.order.{hook} lists {order}, but the active stages are {sorted(stages)}{unknown}; "
                 f"list each exactly once"
             )
         return [(name, stages[name]) for name in order]
 
     def broadcast(self, hook: str, **kwargs: Any) -> dict[str, Any]:
-        """Call every active implementation of broadcast ``hook``; results by plugin name."""
+        """Call every active implementation of broadcast ``hook`` (see :meth:`implementations`); results by plugin.
+
+        Each plugin's implementation is its own pluggy call, so a wrapper
+        wraps each of them; the first one that raises stops the broadcast.
+        """
         assert HOOK_KINDS[hook] == BROADCAST, f"{hook} is not a broadcast"
-        return {name: call(fn, kwargs) for name, fn in self.implementations(hook)}
+        return {name: self.call(hook, name, **kwargs) for name, _ in self.implementations(hook)}
 
     def providers(self, hook: str) -> list[str]:
         """Names of all installed plugins (active or not) that implement ``hook``."""
@@ -307,12 +457,168 @@ class PluginSet:
         ]
 
 
+class HookCall:
+    """One active plugin's implementation of one hook, called through pluggy (:meth:`PluginSet.call`).
+
+    Called with the hook's arguments by keyword, or positionally in the
+    order of the hook's specification. ``function`` is the implementation
+    itself, for introspection; calling it directly would skip the wrappers.
+    """
+
+    __slots__ = ("plugins", "hook", "plugin")
+
+    def __init__(self, plugins: PluginSet, hook: str, plugin: str):
+        self.plugins, self.hook, self.plugin = plugins, hook, plugin
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            kwargs.update(zip(_argnames_in_order(getattr(hookspecs, self.hook)), args))
+        return self.plugins.call(self.hook, self.plugin, **kwargs)
+
+    @property
+    def function(self) -> Callable:
+        return self.plugins.plugins[self.plugin].impls[self.hook]
+
+    def __repr__(self) -> str:
+        return f"<HookCall {self.hook} of plugin {self.plugin!r}>"
+
+
+def _is_wrapper(impl: pluggy.HookImpl) -> bool:
+    return bool(impl.wrapper or impl.hookwrapper)
+
+
+@functools.lru_cache(maxsize=None)
+def _argnames_in_order(fn: Callable) -> tuple[str, ...]:
+    return tuple(inspect.signature(fn).parameters)
+
+
 @functools.lru_cache(maxsize=None)
 def _argnames(fn: Callable) -> frozenset[str]:
     return frozenset(inspect.signature(fn).parameters)
 
 
 def call(fn: Callable, kwargs: dict[str, Any]) -> Any:
-    """Call a hook implementation with the subset of ``kwargs`` it accepts."""
+    """Call a hook implementation with the subset of ``kwargs`` it accepts.
+
+    A :class:`HookCall` (what slots, pipelines and :meth:`PluginSet.implementations`
+    hold) gets them all and goes through pluggy, wrappers included.
+    """
+    if isinstance(fn, HookCall):
+        return fn(**kwargs)
     accepted = _argnames(fn)
     return fn(**{k: v for k, v in kwargs.items() if k in accepted})
+
+
+# --------------------------------------------------------------------------
+# What each hook must return
+# --------------------------------------------------------------------------
+
+
+def _is_batch(value: Any) -> bool:
+    # A Batch exists only once agl_core.data was imported: no import (of torch) here just to check.
+    data = sys.modules.get("agl_core.data")
+    return data is not None and isinstance(value, data.Batch)
+
+
+def _has_response_columns(*names: str) -> Callable[[Any, dict[str, Any]], str | None]:
+    def check(batch: Any, kwargs: dict[str, Any]) -> str | None:
+        if not _is_batch(batch):
+            return f"returned {_kind_of(batch)}, expected the Batch with {' and '.join(names)}"
+        shape = tuple(batch["responses"].shape) if "responses" in batch else None
+        for name in names:
+            if name not in batch:
+                return f"returned a Batch without {name!r}, expected the Batch with {' and '.join(names)}"
+            got = tuple(getattr(batch[name], "shape", ()))
+            if shape is not None and got != shape:
+                return f"returned {name!r} of shape {got}, expected the shape of 'responses' {shape}"
+        return None
+
+    return check
+
+
+def _returns(description: str, test: Callable[[Any], bool]) -> Callable[[Any, dict[str, Any]], str | None]:
+    return lambda value, kwargs: None if test(value) else f"returned {_kind_of(value)}, expected {description}"
+
+
+def _is_model_class(value: Any) -> bool:
+    from pydantic import BaseModel
+
+    return value is None or (isinstance(value, type) and issubclass(value, BaseModel))
+
+
+RESULT_CHECKS: dict[str, Callable[[Any, dict[str, Any]], str | None]] = {
+    "plugin_config_schema": _returns("a pydantic BaseModel subclass or None", _is_model_class),
+    "policy_endpoints": _returns("a list of base URLs (str)",
+                                 lambda v: isinstance(v, list) and all(isinstance(u, str) for u in v)),
+    "collect_rollouts": _returns("a list of Rollout", lambda v: isinstance(v, list)),
+    "post_process_batch": _returns("the Batch it was given (filtered or extended)", _is_batch),
+    "compute_old_logprob": _has_response_columns("old_log_probs", "entropys"),
+    "compute_ref_logprob": _has_response_columns("ref_log_prob"),
+    "compute_values": _has_response_columns("values"),
+    "advantage": _has_response_columns("advantages", "returns"),
+    "update_critic": _returns("a dict of metrics", lambda v: isinstance(v, Mapping)),
+    "update_actor": _returns("a dict of metrics", lambda v: isinstance(v, Mapping)),
+    "validate": _returns("a dict of val/... metrics", lambda v: isinstance(v, Mapping)),
+    "export_model": _returns("the directory it wrote (str) or None", lambda v: v is None or isinstance(v, str)),
+}
+"""Hook → check of an implementation's result: None when fine, else what is wrong (hooks not listed return None)."""
+
+
+def result_problem(hook: str, result: Any, kwargs: dict[str, Any]) -> str | None:
+    """What is wrong with ``result`` as the return value of ``hook``, or None."""
+    check = RESULT_CHECKS.get(hook)
+    return None if check is None else check(result, kwargs)
+
+
+def _kind_of(value: Any) -> str:
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+# --------------------------------------------------------------------------
+# Tracing
+# --------------------------------------------------------------------------
+
+
+def summarize(value: Any) -> str:
+    """A short description of a hook's result for the trace: kind and size, never the content."""
+    if value is None:
+        return "None"
+    if _is_batch(value):
+        return f"Batch({len(value)} rows)"
+    if isinstance(value, Mapping):
+        keys = list(value)
+        return f"dict({len(keys)} keys: {', '.join(map(str, keys[:3]))}{', ...' if len(keys) > 3 else ''})"
+    if isinstance(value, (list, tuple, set)):
+        return f"{type(value).__name__}({len(value)})"
+    if isinstance(value, type):
+        return value.__name__
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def trace_hooks(manager: pluggy.PluginManager, logger: logging.Logger = trace_log) -> Callable[[], None]:
+    """Log every hook call of ``manager`` at INFO: hook, plugin, duration, a summary of the result.
+
+    Through ``PluginManager.add_hookcall_monitoring``, so it sees each call
+    the core makes (one implementation each, wrappers included). Calls on
+    other threads (the runner's) are timed on their own. Returns pluggy's undo
+    function.
+    """
+    started = threading.local()
+
+    def before(hook_name, hook_impls, kwargs):
+        stack = getattr(started, "stack", None)
+        if stack is None:
+            stack = started.stack = []
+        stack.append(time.perf_counter())
+
+    def after(outcome, hook_name, hook_impls, kwargs):
+        elapsed_ms = (time.perf_counter() - started.stack.pop()) * 1e3
+        owners = [impl.plugin_name for impl in hook_impls if not _is_wrapper(impl)]
+        wrapped = [impl.plugin_name for impl in hook_impls if _is_wrapper(impl)]
+        result = (f"raised {type(outcome.exception).__name__}: {outcome.exception}"
+                  if outcome.exception is not None else summarize(outcome.get_result()))
+        logger.info("hook %s [%s]%s %.2f ms -> %s", hook_name, ", ".join(owners) or "-",
+                    f" wrapped by {', '.join(wrapped)}" if wrapped else "", elapsed_ms, result)
+
+    return manager.add_hookcall_monitoring(before, after)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from agl_core import HOOK_API_VERSION, hookimpl
 from agl_core.algorithms import advantages as A
 from agl_core.algorithms.losses import ppo_clip_loss
+from agl_core.components import checked_estimator_result
 
 AGL_HOOK_API = HOOK_API_VERSION
 
@@ -75,6 +76,6 @@ def vanilla_policy_loss(old_log_prob, log_prob, advantages, response_mask, confi
 @hookimpl
 def advantage(ctx, batch):
     config = ctx.config.algorithm
-    estimator = ctx.components.get("estimator", config.estimator).obj
-    batch["advantages"], batch["returns"] = estimator(batch, config)
+    estimator = ctx.components.get("estimator", config.estimator)
+    batch["advantages"], batch["returns"] = checked_estimator_result(estimator, estimator.obj(batch, config), batch)
     return batch
