@@ -353,8 +353,8 @@ def explain(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> s
         path = ".".join(([prefix] if prefix else []) + loc)
         if err["type"] == "extra_forbidden":
             allowed = ", ".join(_fields_at(model, err["loc"][:-1])) or "none"
-            lines.append(f"{path}: unknown key{did_you_mean(loc[-1], _fields_at(model, err['loc'][:-1]))} "
-                         f"(allowed keys: {allowed})")
+            lines.append(f"{path}: unknown key (allowed keys: {allowed})"
+                         f"{did_you_mean(loc[-1], _fields_at(model, err['loc'][:-1]))}")
         elif err["type"] == "missing":
             lines.append(f"{path}: required setting is missing")
         else:

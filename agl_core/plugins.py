@@ -65,9 +65,9 @@ class PluginError(Exception):
 
 
 def did_you_mean(name: str, candidates: Iterable[str]) -> str:
-    """``"; did you mean 'x'?"`` when a candidate is close to ``name``, else ``""``."""
+    """``" (did you mean 'x'?)"`` when a candidate is close to ``name``, else ``""``."""
     close = difflib.get_close_matches(name, sorted(candidates), n=3, cutoff=0.6)
-    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
 
 
 @dataclass
@@ -239,6 +239,16 @@ def discover() -> list[importlib_metadata.EntryPoint]:
     return sorted(seen.values(), key=lambda ep: ep.name)
 
 
+def distribution_of(ep: importlib_metadata.EntryPoint) -> tuple[str | None, str | None]:
+    """(name, version) of the distribution an entry point comes from; (None, None) when its metadata is unreadable
+    (a distribution being installed or removed at this moment must not break the CLI)."""
+    try:
+        dist = ep.dist
+        return (dist.name, dist.version) if dist is not None else (None, None)
+    except Exception:  # noqa: BLE001 - importlib_metadata raises several kinds for a broken dist-info
+        return None, None
+
+
 class PluginSet:
     """The plugins of one run: which are active, and the hook implementations they bring."""
 
@@ -272,8 +282,7 @@ class PluginSet:
         manager.add_hookspecs(hookspecs)
         plugins: list[Plugin] = []
         for ep in discover():
-            dist = ep.dist
-            plugin = Plugin(ep.name, dist.name if dist else None, dist.version if dist else None)
+            plugin = Plugin(ep.name, *distribution_of(ep))
             plugins.append(plugin)
             if plugin.name in disable:
                 plugin.status, plugin.reason = "disabled", "disabled by the recipe or -p no:"
