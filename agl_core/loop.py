@@ -20,6 +20,8 @@ from tqdm import tqdm
 from agl_core import checkpoint, run_dir
 from agl_core.algorithms.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty
 from agl_core.algorithms.losses import agg_loss_value
+from agl_core.algorithms.rollout_correction import tis_weights
+from agl_core.async_rollouts import STATE_KEY as ASYNC_STATE, AsyncRollouts
 from agl_core.balance import balanced_order
 from agl_core.batching import rows_to_keep, shuffle_and_floor
 from agl_core.components import Components
@@ -57,6 +59,9 @@ class Trainer:
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = (AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon) if kl.type == "adaptive"
                         else FixedKLController(kl.kl_coef))
+        # trainer.async.max_staleness >= 1: the next steps' rollouts are collected while this one trains.
+        self.pipeline = (AsyncRollouts(self.ctx, self.sampler, cfg.trainer.async_, self.total_steps)
+                         if cfg.trainer.async_.max_staleness else None)
 
     # ------------------------------------------------------------------ the step
 
@@ -68,7 +73,8 @@ class Trainer:
         timing: dict[str, float] = {}
         with timer("step", timing):
             with timer("gen", timing):
-                rollouts = ctx.call("collect_rollouts", tasks=tasks, mode="train")
+                rollouts = (ctx.call("collect_rollouts", tasks=tasks, mode="train") if self.pipeline is None
+                            else self.pipeline.take(ctx.step))
             with timer("gen_postprocess", timing):
                 batch = self.post_process(Batch(meta={"rollouts": rollouts}))
             if len(batch) == 0:
@@ -84,6 +90,9 @@ class Trainer:
                 batch = ctx.call("compute_old_logprob", batch=batch)
                 metrics["actor/entropy"] = agg_loss_value(
                     batch.pop("entropys"), batch["response_mask"], cfg.algorithm.policy_loss.loss_agg_mode)
+            if cfg.algorithm.rollout_correction.rollout_is is not None:
+                batch["rollout_is_weights"], tis_metrics = self.rollout_correction(batch)
+                metrics.update(tis_metrics)
             if plan_.needs_ref:
                 with timer("ref", timing):
                     batch = ctx.call("compute_ref_logprob", batch=batch)
@@ -126,12 +135,23 @@ class Trainer:
             if cfg.trainer.critic_warmup <= ctx.step:
                 with timer("update_actor", timing):
                     metrics.update(ctx.call("update_actor", batch=batch))
+                if self.pipeline is not None:
+                    with timer("weight_sync", timing):
+                        metrics.update(self.pipeline.sync_weights(ctx.step))
 
         metrics.update(summarize(stats, suffix="_after_processing"))
         metrics.update(compute_timing_metrics(timing, stats.column("prompt_length").sum(),
                                               stats.column("response_length").sum()))
         metrics.update(compute_throughput_metrics(batch, timing, ctx.world_size))
         return metrics
+
+    def rollout_correction(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """TIS weights between the policy that served the rollouts and the trainer's old log-probs."""
+        if "rollout_log_probs" not in batch:
+            raise RuntimeError("algorithm.rollout_correction.rollout_is is set, but the batch has no "
+                               "rollout_log_probs: the policy server returned no log-probs of its samples")
+        return tis_weights(batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
+                           self.ctx.config.algorithm.rollout_correction.rollout_is_threshold)
 
     def post_process(self, batch: Batch) -> Batch:
         """Run the ``post_process_batch`` pipeline stage by stage."""
@@ -168,6 +188,8 @@ class Trainer:
         last: dict[str, float] = {}
         try:
             ctx.plugins.broadcast("on_train_start", ctx=ctx)
+            if self.pipeline is not None:
+                self.pipeline.start()
             # Everything built so far (modules, models, servers) lives as long as the run: out of the cyclic
             # collector's sight, a full collection no longer walks it and stalls every thread (agents, gateway,
             # policy server) for 100+ ms. Measured: 7% less time per step in the default recipe.
@@ -183,8 +205,11 @@ class Trainer:
                             disable=not cfg.progress, dynamic_ncols=True)
             while ctx.step < self.total_steps:
                 ctx.step += 1
-                tasks = self.sampler.next_batch()
-                ctx.epoch = self.sampler.epoch
+                if self.pipeline is None:
+                    tasks = self.sampler.next_batch()
+                    ctx.epoch = self.sampler.epoch
+                else:
+                    tasks, ctx.epoch = self.pipeline.batch(ctx.step)
                 ctx.plugins.broadcast("on_step_start", ctx=ctx, step=ctx.step)
                 last = self.train_step(tasks)
                 is_last = ctx.step == self.total_steps
@@ -242,6 +267,8 @@ class Trainer:
         ctx = self.ctx
         state = {"sampler": self.sampler.state_dict(), "loop_rng": self.rng.bit_generator.state,
                  "kl_coef": self.kl_ctrl.value, "run_id": ctx.run_id}
+        if self.pipeline is not None:  # the batches queued for the next steps: trained after a resume
+            state[ASYNC_STATE] = self.pipeline.state_dict()
         return checkpoint.save(ctx.run_dir, ctx.step, state, ctx.plugins.manifest(),
                                lambda path: ctx.plugins.broadcast("save_checkpoint", ctx=ctx, path=path))
 
@@ -253,6 +280,12 @@ class Trainer:
         self.ctx.epoch = self.sampler.epoch
         self.rng.bit_generator.state = state["loop_rng"]
         self.kl_ctrl.value = state["kl_coef"]
+        carried = state.get(ASYNC_STATE, {}).get("batches", [])
+        if carried and self.pipeline is None:
+            raise ValueError(f"checkpoint {path} carries the queued batches of {len(carried)} steps of asynchronous "
+                             f"training; resume it with trainer.async.max_staleness >= 1")
+        if self.pipeline is not None and ASYNC_STATE in state:
+            self.pipeline.load_state_dict(state[ASYNC_STATE])
         self.ctx.plugins.broadcast("load_checkpoint", ctx=self.ctx, path=str(path))
         log.info("resumed from %s at step %d", path, self.ctx.step)
 

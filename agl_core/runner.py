@@ -251,24 +251,43 @@ def collect(store: Store, tasks: list[Task], samples: int = 1, *, metadata: dict
     another (or fail, when out of attempts) even if no runner is asking for
     work. The rollouts are released from the store once read.
     """
-    new = [NewRollout(f"{id_prefix}-{uuid.uuid4().hex[:12]}", task, sample, max_attempts,
-                      {**(metadata or {}), "task_id": task.id, "sample_index": sample})
-           for task in tasks for sample in range(samples)]
-    ids = [r.rollout_id for r in new]
-    store.enqueue(new)
+    ids = enqueue_samples(store, tasks, samples, metadata=metadata, id_prefix=id_prefix, max_attempts=max_attempts)
     bar = tqdm(total=len(ids), desc="rollouts", disable=not progress, leave=False, dynamic_ncols=True)
     try:
-        while True:
-            done = store.wait(ids, timeout_s=poll_s)
-            bar.update(len(done) - bar.n)
-            if len(done) == len(ids):
-                break
-            store.requeue_expired()
+        wait_all(store, ids, poll_s, on_progress=lambda done: bar.update(done - bar.n))
     finally:
         bar.close()
     rollouts = store.get_rollouts(ids)
     store.release(ids)
     return RunResult(rollouts, rollout_metrics(rollouts))
+
+
+def enqueue_samples(store: Store, tasks: list[Task], samples: int, *, metadata: dict[str, Any] | None = None,
+                    id_prefix: str = "rollout", max_attempts: int = 2) -> list[str]:
+    """Queue ``samples`` rollouts of each task (task after task); return their ids in that order.
+
+    Each rollout's metadata is ``metadata`` with its task id and sample index.
+    """
+    new = [NewRollout(f"{id_prefix}-{uuid.uuid4().hex[:12]}", task, sample, max_attempts,
+                      {**(metadata or {}), "task_id": task.id, "sample_index": sample})
+           for task in tasks for sample in range(samples)]
+    store.enqueue(new)
+    return [r.rollout_id for r in new]
+
+
+def wait_all(store: Store, rollout_ids: list[str], poll_s: float = 1.0,
+             on_progress: Callable[[int], None] | None = None) -> None:
+    """Return once every rollout of ``rollout_ids`` has ended; every ``poll_s`` requeue the attempts of lost workers.
+
+    ``on_progress`` is told how many have ended, after each poll.
+    """
+    while True:
+        done = store.wait(rollout_ids, timeout_s=poll_s)
+        if on_progress is not None:
+            on_progress(len(done))
+        if len(done) == len(rollout_ids):
+            return
+        store.requeue_expired()
 
 
 def cancel_abandoned(store: Store, run_id: str | None) -> int:

@@ -9,6 +9,7 @@ its optimizer is made.
 
 from __future__ import annotations
 
+import copy
 import shutil
 import threading
 from dataclasses import dataclass, field
@@ -43,6 +44,11 @@ class Backend:
     the made model in the run directory); the reference policy is loaded
     from it, so a resumed run gets the same reference. ``lock`` serialises
     generation and training on the shared weights.
+
+    In asynchronous training (:meth:`serve_a_copy`) the engine generates with
+    ``serving``, a copy of the actor under its own ``serving_lock``, while the
+    trainer updates the actor; :meth:`sync_weights` copies the actor's weights
+    into it between generation batches.
     """
 
     config: TorchConfig
@@ -61,6 +67,9 @@ class Backend:
     server: ServerThread | None = None
     weight_version: int = 0
     busy_at_step_start: float = 0.0  # the engine's generating CPU time when the step began
+    serving: PreTrainedModel | None = None
+    serving_lock: threading.Lock | None = None
+    serving_version: int = 0
 
     # ------------------------------------------------------------ serving
 
@@ -69,7 +78,8 @@ class Backend:
         if self.server is not None:
             return
         serving = self.config.serving
-        self.engine = Engine(self.actor, self.lock, lambda: self.weight_version,
+        model, lock = (self.actor, self.lock) if self.serving is None else (self.serving, self.serving_lock)
+        self.engine = Engine(model, lock, self.served_version,
                              eos_token_ids=eos_token_ids(self.actor, self.tokenizer),
                              pad_token_id=self.tokenizer.pad_token_id,
                              decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
@@ -88,6 +98,35 @@ class Backend:
         if self.server is None:
             raise RuntimeError("the policy endpoint is not serving (it starts in on_train_start)")
         return f"{self.server.url}/v1"
+
+    def served_version(self) -> int:
+        """The version of the weights the engine generates with (read under the engine's lock)."""
+        return self.weight_version if self.serving is None else self.serving_version
+
+    def serve_a_copy(self) -> None:
+        """Generate with a copy of the actor from now on, so that serving and training overlap.
+
+        Called before the engine starts; the copy holds the actor's current
+        weights (a resumed run's included) and their version.
+        """
+        with self.lock:
+            self.serving = copy.deepcopy(self.actor).eval().requires_grad_(False)
+            self.serving_version = self.weight_version
+        self.serving_lock = threading.Lock()
+
+    @torch.no_grad()
+    def sync_weights(self, version: int) -> None:
+        """Copy the actor's weights into the serving copy, between two generation batches; they are ``version``'s.
+
+        A generation batch holds the serving lock, so every response is made
+        by one version of the weights and reports it.
+        """
+        if self.serving is None:
+            raise RuntimeError("sync_weights: the backend serves the actor itself (serve_a_copy was not called)")
+        with self.lock, self.serving_lock:
+            for target, source in zip(self.serving.state_dict().values(), self.actor.state_dict().values()):
+                target.copy_(source)
+            self.serving_version = version
 
     def set_weight_version(self, version: int) -> None:
         """Record that the weights are now those of update ``version`` (responses report it)."""

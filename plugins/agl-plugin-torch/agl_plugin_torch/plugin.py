@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 
 from agl_core import HOOK_API_VERSION, hookimpl
+from agl_core.async_rollouts import WEIGHT_SYNC
 from agl_core.http_rules import POLICY_TOKEN_ENV, policy_token
 from agl_core.plugins import PluginError
 
@@ -74,6 +75,10 @@ class TorchBackend:
             raise PluginError("plugins.torch.serving.token is not the token the gateway sends its policy servers "
                               "(rollout.gateway.upstream_token): every model call would be refused with 401; set "
                               f"both to the same token, or set only ${POLICY_TOKEN_ENV}")
+        if ctx.config.trainer.async_.max_staleness:
+            # Asynchronous training: the engine serves a copy while the actor trains; the loop syncs it.
+            backend.serve_a_copy()
+            ctx.state[WEIGHT_SYNC] = backend.sync_weights
         backend.start_serving(ctx.config.rollout.model)
         n_params = sum(p.numel() for p in backend.actor.parameters())
         log.info("policy %s (%.2fM parameters, %s) served at %s", backend.source, n_params / 1e6,

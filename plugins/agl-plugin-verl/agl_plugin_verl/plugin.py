@@ -165,8 +165,23 @@ def register_policy_losses(register):
         register(name, fn)
 
 
+def refuse_async(ctx) -> None:
+    """PluginError for ``trainer.async.max_staleness >= 1``, naming what verl 0.9 lacks for it here."""
+    k = ctx.config.trainer.async_.max_staleness
+    if k:
+        raise PluginError(
+            f"trainer.async.max_staleness={k}: the verl plugin cannot train asynchronously. It drives verl's hybrid "
+            f"engine, where the actor and the vLLM rollout share the same GPUs and the weights are handed over in "
+            f"place, so the rollout servers cannot serve while the actor trains. verl 0.9's own asynchronous "
+            f"trainers (verl.experimental.one_step_off_policy, verl.experimental.fully_async_policy) need separate "
+            f"rollout and trainer resource pools and their weight-sync between them, which this plugin does not "
+            f"build. Set trainer.async.max_staleness=0, or train asynchronously with the embedded backend "
+            f"(agl-plugin-torch).")
+
+
 @hookimpl
 def on_train_start(ctx):
+    refuse_async(ctx)
     version = verl_version()  # before importing anything of verl
     from agl_plugin_verl import rollout, workers
     from agl_plugin_verl.bridge import Registrations, install
