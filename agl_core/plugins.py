@@ -134,7 +134,8 @@ def check_hook_api(plugin: Plugin) -> None:
             f"plugin {plugin.label} declares no AGL_HOOK_API; "
             f"set AGL_HOOK_API = {HOOK_API_VERSION!r} in the plugin module"
         )
-    found = HOOK_API_FORMAT.match(str(declared).strip())
+    # A string only: as a float, 1.10 would read as 1.1.
+    found = HOOK_API_FORMAT.match(declared.strip()) if isinstance(declared, str) else None
     if found is None:
         raise PluginError(
             f"plugin {plugin.label}: AGL_HOOK_API = {declared!r} is not a hook API version; "
