@@ -25,7 +25,17 @@ SPECIAL_TOKENS = (PAD, UNK, END, *(f"<|{role}|>" for role in ROLES))
 
 # Each message is "<|role|> content <|end|>"; the model's turn starts after "<|assistant|>" and
 # ends with the "<|end|>" it generates, so a reply re-rendered in the next prompt is the same ids.
-CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|> {{ message['content'] }} <|end|> "
+# Tools, when a request offers them, come first as "<|system|> tools : name ( param ... ) <|end|>";
+# an assistant's tool calls follow its content in the pythonic format (agl_plugin_torch.tools), which
+# a word tokenizer splits the same way whether the model wrote them or the template did.
+CHAT_TEMPLATE = ("{% if tools %}<|system|> tools :{% for tool in tools %} {{ tool['function']['name'] }} ("
+                 "{% for name in (tool['function'].get('parameters') or {}).get('properties', {}) %} {{ name }}"
+                 "{% endfor %} ){% endfor %} <|end|> {% endif %}"
+                 "{% for message in messages %}<|{{ message['role'] }}|> {{ message['content'] }}"
+                 "{% if message.get('tool_calls') %}[{% for call in message['tool_calls'] %}"
+                 "{% if not loop.first %}, {% endif %}{{ call['function']['name'] }}("
+                 "{% for key, value in call['function']['arguments'].items() %}{% if not loop.first %}, {% endif %}"
+                 "{{ key }}={{ value | tojson }}{% endfor %}){% endfor %}]{% endif %} <|end|> "
                  "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 

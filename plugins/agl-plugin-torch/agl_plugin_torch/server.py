@@ -11,7 +11,19 @@ with ``return_token_ids``, whatever the request asks: ``prompt_token_ids``
 
 Sampling parameters: ``max_tokens`` / ``max_completion_tokens``,
 ``temperature`` (0: greedy), ``top_p``, ``top_k``, ``stop``,
-``stop_token_ids``, ``ignore_eos``, ``seed``, ``n``; streaming is refused.
+``stop_token_ids``, ``ignore_eos``, ``seed``, ``n``.
+
+``stream: true`` is answered with server-sent events in vLLM's layout
+(:func:`agl_core.gateway.streaming.chunks_of`: token ids and log-probs in the
+chunks, ``stream_options.include_usage`` honored), once the whole answer is
+generated: the engine generates in batches, so the first chunk comes when the
+answer is done (no earlier first token than a call not streamed).
+
+Tools: a chat request's ``tools``, ``tool_choice`` and ``tool``-role messages
+are rendered by the model's chat template, and the model's calls parsed back
+into ``message.tool_calls`` (finish reason ``"tool_calls"``), in the formats
+:mod:`agl_plugin_torch.tools` documents; a ``tool_choice`` naming a function
+starts the model's answer with the opening of that call.
 Every field is checked before the request reaches the engine (the rules of
 :mod:`agl_core.http_rules`): a value the engine cannot sample with is a 400
 that names the field, never a failure of the batch it would have joined.
@@ -37,10 +49,12 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from transformers import PreTrainedTokenizerBase
 
+from agl_core.gateway.capture import CHAT, COMPLETIONS
+from agl_core.gateway.streaming import DONE_EVENT, EVENT_STREAM, chunks_of, dumps, include_usage, sse_event
 from agl_core.http_rules import (POLICY_TOKEN_ENV, RequestError, check_bearer, check_sampling, error_response,
                                  health_response, parse_json_object, policy_token, read_body,
                                  require_token_off_loopback)
@@ -49,6 +63,8 @@ from agl_core.http_server import ServerThread
 from agl_plugin_torch.engine import Engine, Generated
 from agl_plugin_torch.sampling import SamplingParams
 from agl_plugin_torch.settings import ServingConfig
+from agl_plugin_torch.tools import (forced_function, forced_opening, offered_tools, parse_tool_calls,
+                                    template_messages, tool_format)
 
 log = logging.getLogger("agl_plugin_torch")
 
@@ -136,7 +152,11 @@ class PolicyServer:
             body = parse_json_object(await read_body(request, config.max_body_bytes,
                                                      "plugins.torch.serving.max_body_bytes", config.body_timeout_s))
             self._check_model(body.get("model"))
-            prompt_ids = self._chat_prompt(body) if chat else self._completion_prompt(body)
+            tools, opening = None, ""
+            if chat:
+                prompt_ids, tools, opening = self._chat_prompt(body)
+            else:
+                prompt_ids = self._completion_prompt(body)
             params = self._params(body, len(prompt_ids), chat)
         except RequestError as exc:
             return error_response(exc.status, str(exc))
@@ -144,8 +164,14 @@ class PolicyServer:
             generated: Generated = await asyncio.wrap_future(self.engine.submit([prompt_ids] * len(params), params))
         except Exception as exc:  # noqa: BLE001 - reported to the client, logged by the engine
             return error_response(500, f"generation failed: {exc!r}")
-        build = self._chat_response if chat else self._completion_response
-        return JSONResponse(build(body, prompt_ids, generated))
+        if chat:
+            response = self._chat_response(body, prompt_ids, generated, tools, opening)
+        else:
+            response = self._completion_response(body, prompt_ids, generated)
+        if body.get("stream"):
+            chunks = chunks_of(CHAT if chat else COMPLETIONS, response, include_usage(body))
+            return StreamingResponse(_events(chunks), media_type=EVENT_STREAM)
+        return JSONResponse(response)
 
     # ------------------------------------------------------------ requests
 
@@ -161,7 +187,12 @@ class PolicyServer:
             log.warning("a call asks for model %.80r; the policy endpoint serves %r and answers it with that "
                         "(logged once per name)", name, self.model_name)
 
-    def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
+    def _chat_prompt(self, body: dict[str, Any]) -> tuple[list[int], list[dict[str, Any]] | None, str]:
+        """The prompt ids of a chat request, the tools it offers, and the forced opening of the answer (or "").
+
+        The tools are rendered by the chat template; a ``tool_choice`` naming a
+        function appends the opening of its call to the prompt (see :mod:`agl_plugin_torch.tools`).
+        """
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError(400, "'messages' must be a non-empty list of message objects")
@@ -173,12 +204,17 @@ class PolicyServer:
                 raise RequestError(400, f"'messages[{i}].role' must be a string, "
                                         f"got {type(message.get('role')).__name__}")
             rendered.append({**message, "content": message_text(message.get("content"), f"messages[{i}].content")})
+        tools = offered_tools(body)
+        function = forced_function(body, tools)
         try:
-            ids = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
+            ids = self.tokenizer.apply_chat_template(template_messages(rendered), tools=tools,
+                                                     add_generation_prompt=True, tokenize=True, return_dict=False)
         except Exception as exc:  # noqa: BLE001 - a template error is the request's problem
             raise RequestError(400, f"the chat template cannot render these messages: {exc}") from None
-        return list(ids)
+        if function is None:
+            return list(ids), tools, ""
+        opening = forced_opening(function, tool_format(self.tokenizer.chat_template))
+        return list(ids) + self.tokenizer.encode(opening, add_special_tokens=False), tools, opening
 
     def _completion_prompt(self, body: dict[str, Any]) -> list[int]:
         prompt = body.get("prompt")
@@ -192,8 +228,6 @@ class PolicyServer:
 
     def _params(self, body: dict[str, Any], prompt_length: int, chat: bool) -> list[SamplingParams]:
         """One :class:`SamplingParams` per choice (``n``), checked; choice ``i`` of a seeded request uses seed + i."""
-        if body.get("stream"):
-            raise RequestError(400, "streaming is not supported: call with stream=false")
         # Chat asks for alternatives with top_logprobs; completions with logprobs=<k>.
         alternatives = "top_logprobs" if chat else "logprobs"
         check_sampling(body, max_n=self.config.max_batch_rows, logprobs_key=alternatives)
@@ -227,7 +261,8 @@ class PolicyServer:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def _chat_response(self, body: dict[str, Any], prompt_ids: list[int], generated: Generated) -> dict[str, Any]:
+    def _chat_response(self, body: dict[str, Any], prompt_ids: list[int], generated: Generated,
+                       tools: list[dict[str, Any]] | None, opening: str) -> dict[str, Any]:
         choices = []
         for index, sample in enumerate(generated.samples):
             content = []
@@ -236,9 +271,14 @@ class PolicyServer:
                 alternatives = [_token_logprob(self._token_text(t), lp)
                                 for t, lp in (sample.top_logprobs[i] if sample.top_logprobs else [])]
                 content.append({**_token_logprob(text, logprob), "top_logprobs": alternatives})
-            choices.append({"index": index, "message": {"role": "assistant", "content": sample.text},
-                            "finish_reason": sample.finish_reason, "logprobs": {"content": content},
-                            "token_ids": sample.token_ids})
+            message: dict[str, Any] = {"role": "assistant", "content": sample.text}
+            finish_reason = sample.finish_reason
+            if tools:
+                message["content"], calls = parse_tool_calls(opening + sample.text, tools)
+                if calls:
+                    message["tool_calls"], finish_reason = calls, "tool_calls"
+            choices.append({"index": index, "message": message, "finish_reason": finish_reason,
+                            "logprobs": {"content": content}, "token_ids": sample.token_ids})
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", **self._envelope(body),
                 "choices": choices, "prompt_token_ids": prompt_ids,
                 "usage": _usage(prompt_ids, generated), "weight_version": generated.weight_version}
@@ -260,6 +300,12 @@ class PolicyServer:
 
     def _envelope(self, body: dict[str, Any]) -> dict[str, Any]:
         return {"created": int(time.time()), "model": body.get("model") or self.model_name}
+
+
+async def _events(chunks: list[dict[str, Any]]):
+    for chunk in chunks:
+        yield sse_event(dumps(chunk))
+    yield DONE_EVENT
 
 
 def _token_logprob(text: str, logprob: float) -> dict[str, Any]:

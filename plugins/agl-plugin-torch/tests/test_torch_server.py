@@ -77,7 +77,6 @@ def test_responses_carry_the_version_of_the_weights_that_made_them(served, clien
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"stream": True}, "streaming is not supported"),
     ({"temperature": -1}, "'temperature' must be in"),
     ({"n": 0}, "'n' must be in"),
     ({"max_tokens": 0}, "'max_tokens' must be in"),
