@@ -19,7 +19,17 @@ Prints the timing breakdown of each run to stderr and one JSON line to stdout.
 Targets: start reward <= 0.4, every seed reaches 0.9 within 300 s, core share
 <= 5 %, peak RSS <= 3 GB.
 
-    python benchmarks/bench_learning.py [--seeds 0 1 2] [overrides ...]
+With ``--async K`` each seed is trained twice, synchronously and with
+``trainer.async.max_staleness=K``, the two alternated (sync, async, sync, …)
+so that both see the same machine; the JSON line holds both sets of figures
+and their ratio. Steps per minute are then wall-clock (``steps_per_min_wall``:
+steps between the first and the last step's record, validations included,
+which is fair to both: an asynchronous run's validation also waits for the
+next step's games queued before it). Goals on 2 cores: steps per minute >= 1.25x
+synchronous, time to validation reward 0.9 no worse than synchronous on every
+seed, final validation reward >= 0.95 on every seed.
+
+    python benchmarks/bench_learning.py [--seeds 0 1 2] [--async K] [overrides ...]
 """
 
 from __future__ import annotations
@@ -56,11 +66,14 @@ def run_seed(seed: int, run_dir: Path, overrides: list[str]) -> dict:
     metrics_file = run_dir / "metrics.jsonl"
     start = time.monotonic()
     reached_at = None
+    seen_at: dict[int, float] = {}  # when each step's record appeared
     with open(run_dir.parent / f"seed{seed}.log", "w") as log:
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         while process.poll() is None:
-            if reached_at is None and any((r.get("val/reward/mean") or 0) >= TARGET
-                                          for r in read_records(metrics_file)):
+            records = read_records(metrics_file)
+            for record in records:
+                seen_at.setdefault(record["step"], time.monotonic() - start)
+            if reached_at is None and any((r.get("val/reward/mean") or 0) >= TARGET for r in records):
                 reached_at = time.monotonic() - start
             time.sleep(0.2)
     wall = time.monotonic() - start
@@ -88,6 +101,7 @@ def run_seed(seed: int, run_dir: Path, overrides: list[str]) -> dict:
         "step_to_target": first_step,
         "steps": len(steps),
         "steps_per_min": round(len(steps) / step_time * 60, 2) if step_time else None,
+        "steps_per_min_wall": steps_per_min_wall(seen_at),
         "wall_s": round(wall, 1),
         "core_share": round((step_time - model_time) / step_time, 4) if step_time else None,
         "rollout_plane_share": round((gen_time - sampling_time) / step_time, 4) if step_time else None,
@@ -95,35 +109,76 @@ def run_seed(seed: int, run_dir: Path, overrides: list[str]) -> dict:
     }
 
 
+def steps_per_min_wall(seen_at: dict[int, float]) -> float | None:
+    """Steps per minute of wall-clock between the first and the last training step's record."""
+    steps = sorted(step for step in seen_at if step > 0)
+    if len(steps) < 2 or seen_at[steps[-1]] <= seen_at[steps[0]]:
+        return None
+    return round((steps[-1] - steps[0]) / (seen_at[steps[-1]] - seen_at[steps[0]]) * 60, 2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--async", dest="max_staleness", type=int, default=None, metavar="K",
+                        help="also train each seed with trainer.async.max_staleness=K, alternated with a "
+                             "synchronous run, and compare")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. trainer.total_steps=40")
     args = parser.parse_args()
-    runs = []
+    modes = {"sync": []} if args.max_staleness is None else {
+        "sync": ["trainer.async.max_staleness=0"], "async": [f"trainer.async.max_staleness={args.max_staleness}"]}
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory(prefix="bench_learning_") as tmp:
         for seed in args.seeds:
-            run_dir = Path(tmp) / f"seed{seed}" / "run"
-            run_dir.parent.mkdir(parents=True)
-            runs.append(run_seed(seed, run_dir, args.overrides))
-            print(f"seed {seed}: {json.dumps(runs[-1])}", file=sys.stderr)
+            for mode, extra in modes.items():
+                run_dir = Path(tmp) / mode / f"seed{seed}" / "run"
+                run_dir.parent.mkdir(parents=True)
+                runs[mode].append(run_seed(seed, run_dir, args.overrides + extra))
+                print(f"{mode} seed {seed}: {json.dumps(runs[mode][-1])}", file=sys.stderr)
+    if args.max_staleness is None:
+        print(json.dumps(summary(runs["sync"], args.seeds)))
+        return
+    sync, asynchronous = summary(runs["sync"], args.seeds), summary(runs["async"], args.seeds)
+    ratio = (asynchronous["steps_per_min_wall"] / sync["steps_per_min_wall"]
+             if sync["steps_per_min_wall"] and asynchronous["steps_per_min_wall"] else None)
+    no_slower = [a is not None and (s is None or a <= s)
+                 for s, a in zip(sync["time_to_0.9_s"], asynchronous["time_to_0.9_s"])]
+    print(json.dumps({
+        "benchmark": "learning_async",
+        "recipe": str(RECIPE.relative_to(ROOT)),
+        "max_staleness": args.max_staleness,
+        "seeds": args.seeds,
+        "steps_per_min_wall_ratio": None if ratio is None else round(ratio, 3),
+        "goal_steps_per_min_ratio_ge_1.25": ratio is not None and ratio >= 1.25,
+        "goal_time_to_0.9_no_worse_every_seed": all(no_slower),
+        "goal_final_val_reward_ge_0.95_every_seed": all(
+            r is not None and r >= 0.95 for r in asynchronous["end_val_reward"]),
+        "sync": sync,
+        "async": asynchronous,
+    }))
+
+
+def summary(runs: list[dict], seeds: list[int]) -> dict:
+    """The figures of one set of runs (one per seed)."""
     # ru_maxrss of the children: the peak resident set of the largest run, in KiB on Linux.
     peak_rss_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
     times = [r["time_to_target_s"] for r in runs]
-    print(json.dumps({
+    walls = [r["steps_per_min_wall"] for r in runs if r["steps_per_min_wall"]]
+    return {
         "benchmark": "learning",
         "recipe": str(RECIPE.relative_to(ROOT)),
-        "seeds": args.seeds,
+        "seeds": seeds,
         "start_val_reward": [r["start_val_reward"] for r in runs],
         "end_val_reward": [r["end_val_reward"] for r in runs],
         "time_to_0.9_s": times,
         "all_reached_0.9_within_300s": all(t is not None and t <= 300 for t in times),
         "steps_per_min": round(sum(r["steps_per_min"] for r in runs) / len(runs), 2),
+        "steps_per_min_wall": round(sum(walls) / len(walls), 2) if walls else None,
         "core_overhead_share": max(r["core_share"] for r in runs),
         "rollout_plane_share": max(r["rollout_plane_share"] for r in runs),
         "peak_rss_gb": round(peak_rss_gb, 3),
         "runs": runs,
-    }))
+    }
 
 
 if __name__ == "__main__":
