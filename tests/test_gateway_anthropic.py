@@ -359,3 +359,36 @@ def test_over_the_embedded_backend_streamed_and_not_record_identical_token_ids(t
         assert whole.content[0].text == chat.choices[0].message.content
     finally:
         backend.stop_serving()
+
+
+# ---------------------------------------------------------------- the example agent's recipe
+
+
+def run_recipe(name: str, run_dir, monkeypatch) -> list[dict]:
+    """A short run of ``examples/guess_number/<name>`` (1 step, groups of 4): its metrics records."""
+    from pathlib import Path
+
+    from agl_core.cli import main
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)  # the recipes' paths are relative to the repository root
+    monkeypatch.syspath_prepend(str(repo))
+    code = main(["train", str(repo / "examples" / "guess_number" / name), f"trainer.run_dir={run_dir}",
+                 "trainer.total_steps=1", "trainer.test_freq=1", "trainer.save_freq=1", "trainer.progress=false",
+                 "rollout.n=4", "algorithm.ppo_mini_batch_size=8"])
+    assert code == 0
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+LEARNING = ("val/reward/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl", "training/n_calls",
+            "response_length/mean")
+
+
+def test_the_anthropic_agents_recipe_learns_as_the_default_recipe(tmp_path, monkeypatch):
+    pytest.importorskip("agl_plugin_torch")
+    default = run_recipe("recipe.yaml", tmp_path / "default", monkeypatch)
+    translated = run_recipe("recipe_anthropic.yaml", tmp_path / "anthropic", monkeypatch)
+    # Same prompts, same call seeds (by place in the run), same token ids: the same run, number for number.
+    assert [[record.get(key) for key in LEARNING] for record in translated] == \
+        [[record.get(key) for key in LEARNING] for record in default]
+    assert translated[-1]["rollout/n_succeeded"] == 28 and translated[-1]["training/n_calls_error"] == 0
