@@ -9,6 +9,8 @@ from pathlib import Path
 
 import yaml
 
+from agl_core import HOOK_API_VERSION
+
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "quickstart" / "recipe.yaml"
 
@@ -73,3 +75,82 @@ def test_disabling_every_plugin_still_lists(tmp_path):
     rows = {row["name"]: row for row in json.loads(out.stdout)}
     assert rows["console"]["status"] == "disabled"
     assert rows["instant"]["status"] == "available"  # installed, not enabled
+
+
+def test_options_and_overrides_in_any_order():
+    """``-p`` before, between or after the positionals, for every subcommand that takes them."""
+    for args in (("config", "show", QUICKSTART, "-p", "no:console", "trainer.total_steps=3"),
+                 ("config", "show", "-p", "no:console", QUICKSTART, "trainer.total_steps=3"),
+                 ("config", "show", QUICKSTART, "trainer.total_steps=3", "-p", "no:console")):
+        out = agl(*args)
+        assert out.returncode == 0, (args, out.stderr)
+        assert yaml.safe_load(out.stdout)["trainer"]["total_steps"] == 3
+    out = agl("doctor", QUICKSTART, "-p", "no:console", "algorithm.estimator=rloo")
+    assert out.returncode == 0, out.stderr
+
+
+def test_train_with_p_between_recipe_and_overrides_and_traced_hooks(tmp_path):
+    """The order writing-a-plugin.md shows; -p no:NAME beats the recipe's own plugins section; --trace-hooks."""
+    run_dir = tmp_path / "run"
+    out = agl("train", QUICKSTART, "-p", "no:tensorboard", f"trainer.run_dir={run_dir}", "trainer.total_steps=1",
+              "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.save_freq=0", "--trace-hooks")
+    assert out.returncode == 0, out.stderr
+    assert "hook update_actor [instant]" in out.stderr and "ms -> dict(" in out.stderr
+    assert "hook post_process_batch [instant]" in out.stderr and "-> Batch(" in out.stderr
+    assert "hook log_metrics [tensorboard]" not in out.stderr
+    out = agl("config", "show", QUICKSTART, "-p", "no:instant")
+    assert out.returncode == 0, out.stderr
+    assert "instant" not in yaml.safe_load(out.stdout)["plugins"]
+
+
+def broken_stage_plugin(root: Path) -> None:
+    from agl_core.testing import write_distribution
+
+    source = f"""
+from agl_core import hookimpl
+AGL_HOOK_API = "{HOOK_API_VERSION}"
+AGL_ORDER = 50
+
+@hookimpl
+def post_process_batch(batch):
+    batch.meta["touched"] = True
+"""
+    write_distribution(root, "agl-plugin-forgetful", "0.3", {"forgetful_plugin": source},
+                       {"forgetful": "forgetful_plugin"})
+
+
+def test_a_stage_returning_none_is_an_agl_error_line(tmp_path):
+    broken_stage_plugin(tmp_path)
+    out = agl("train", QUICKSTART, "-p", "forgetful", f"trainer.run_dir={tmp_path / 'run'}", "trainer.total_steps=1",
+              "trainer.val_before_train=false", env={"PYTHONPATH": str(tmp_path)})
+    assert out.returncode == 2
+    assert ("agl: error: plugin forgetful (agl-plugin-forgetful 0.3): hook 'post_process_batch' returned None, "
+            "expected the Batch it was given") in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_plugins_json_verbose_and_doctor_without_a_recipe(tmp_path):
+    from agl_core.testing import write_distribution
+
+    write_distribution(tmp_path, "agl-plugin-crash", "0.1", {"crash_plugin": "raise RuntimeError('boom')\n"},
+                       {"crash": "crash_plugin"})
+    env = {"PYTHONPATH": str(tmp_path)}
+    rows = {row["name"]: row for row in json.loads(agl("plugins", "--json", env=env).stdout)}
+    assert rows["instant"]["order"] == 10 and rows["console"]["order"] == 100
+    assert rows["estimators"]["hook_kinds"]["advantage"] == "slot"
+    assert rows["console"]["hook_kinds"]["log_metrics"] == "broadcast"
+    assert rows["crash"]["status"] == "failed" and "RuntimeError: boom" in rows["crash"]["traceback"]
+    short = agl("plugins", env=env)
+    assert "Traceback" not in short.stdout and "--verbose" in short.stdout
+    verbose = agl("plugins", "--verbose", env=env)
+    assert verbose.returncode == 0
+    assert "plugin crash failed to import" in verbose.stdout and "Traceback" in verbose.stdout
+    assert "raise RuntimeError('boom')" in verbose.stdout
+
+    out = agl("doctor")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert any(line.split() == ["grpo", "estimators"] for line in lines)
+    assert any(line.split() == ["memory", "memory_store"] for line in lines)
+    assert any(line.split() == ["transition", "traces", "(not", "active:", "-p", "traces)"] for line in lines)
+    assert "loggers (log_metrics):" in out.stdout and "  console" in lines
