@@ -10,9 +10,10 @@ and a run of ``recipe_openai_agents.yaml`` learns as ``recipe.yaml`` does.
 One thing the game must handle: its answers are one token (``max_tokens``
 1), so every answer the policy does not end itself is cut at
 ``max_output_tokens``, which the Responses API reports as an ``incomplete``
-response and the SDK turns into ``ModelBehaviorError``. The turn is run
-streamed, and the answer read from the stream's last event, which carries the
-whole response (complete or not) before the SDK raises.
+response, and on which the SDK raises ``ModelBehaviorError`` (as it would
+against OpenAI). The turn is run streamed and the answer read from the
+stream's last event, which carries the whole response, complete or not; an
+incomplete run is then cancelled rather than left to raise.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import logging
 import weakref
 
 from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
-from agents.exceptions import ModelBehaviorError
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
 from agl_core import agent
@@ -50,14 +50,17 @@ def _http():
 async def answer(player: Agent, text: str, previous_response_id: str | None) -> tuple[str, str]:
     """The player's answer to ``text`` in the conversation of ``previous_response_id``, and its response id."""
     run = Runner.run_streamed(player, text, previous_response_id=previous_response_id)
-    final = None
-    try:
-        async for event in run.stream_events():
-            if event.type == "raw_response_event" and event.data.type in ENDS:
-                final = event.data.response
-    except ModelBehaviorError:
-        if final is None or final.status != "incomplete":
-            raise  # not a cut answer: a real failure
+    async for event in run.stream_events():
+        if event.type == "raw_response_event" and event.data.type in ENDS:
+            final = event.data.response
+            break
+    else:
+        raise RuntimeError("the response stream ended without its last event")
+    if final.status == "incomplete":
+        run.cancel()  # the SDK would raise ModelBehaviorError on it; the answer is all the game needs
+    else:
+        async for _ in run.stream_events():  # let the SDK finish the turn
+            pass
     return final.output_text, final.id
 
 
