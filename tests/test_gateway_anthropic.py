@@ -8,49 +8,18 @@ the embedded backend's endpoint serving a tiny model made from a config.
 from __future__ import annotations
 
 import json
-import time
 
 import anthropic
 import httpx
 import openai
 import pytest
+from gateway_apis import (CALL, LEARNING, chat_answer, events_of, run_recipe, serve, served_backend,  # noqa: F401
+                          spans, store, tokens, wait_for)
 
-from agl_core.builtin.memory_store import MemoryStore
-from agl_core.config import GatewayConfig
-from agl_core.data import Task
 from agl_core.gateway import Gateway
 from agl_core.gateway import anthropic as messages_api
 from agl_core.gateway.streaming import chunks_of
 from agl_core.http_rules import RequestError
-from agl_core.store import NewRollout
-
-ROLLOUTS = ("r0", "r1", "r2")
-
-
-@pytest.fixture
-def store():
-    s = MemoryStore()
-    s.enqueue([NewRollout(rollout, Task(id="t", input={})) for rollout in ROLLOUTS])
-    for _ in ROLLOUTS:
-        s.dequeue("w", lease_s=60)
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def serve(store):
-    servers = []
-
-    def start(upstream: str, **config) -> Gateway:
-        gateway = Gateway(store, GatewayConfig(**{"retry_backoff_s": 0.01, **config}),
-                          sampling={"temperature": 0.7, "max_tokens": 64}, upstreams=[upstream])
-        servers.append(gateway.serve())
-        gateway.url = servers[-1].url
-        return gateway
-
-    yield start
-    for server in servers:
-        server.stop()
 
 
 def messages_client(gateway: Gateway, rollout: str = "r0", api_key: str = "unused") -> anthropic.Anthropic:
@@ -61,21 +30,6 @@ def messages_client(gateway: Gateway, rollout: str = "r0", api_key: str = "unuse
 
 def chat_client(gateway: Gateway, rollout: str = "r0") -> openai.OpenAI:
     return openai.OpenAI(base_url=Gateway.base_url(gateway.url, rollout, "1"), api_key="unused", max_retries=0)
-
-
-def spans(store, rollout="r0"):
-    return [span for span in store._entries[rollout].spans if span.kind == "llm_call"]
-
-
-def tokens(span):
-    return span.prompt_token_ids, span.response_token_ids, span.response_logprobs
-
-
-def wait_for(condition, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 TOOL = {"name": "lookup", "description": "look a word up", "input_schema": {
@@ -146,19 +100,6 @@ def test_a_bad_request_is_refused_naming_the_field(change, named):
     assert caught.value.status == 400
 
 
-def chat_answer(content="", tool_calls=None, finish_reason="stop", stop_reason=None):
-    message = {"role": "assistant", "content": content or None}
-    if tool_calls:
-        message["tool_calls"] = tool_calls
-    return {"id": "c", "object": "chat.completion", "prompt_token_ids": [1, 2, 3],
-            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "stop_reason": stop_reason,
-                         "token_ids": [4, 5]}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
-
-
-CALL = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"text": "it"}'}}
-
-
 @pytest.mark.parametrize("answer, stop_reason, stop_sequence", [
     (chat_answer("hi"), "end_turn", None),
     (chat_answer("hi", finish_reason="length"), "max_tokens", None),
@@ -180,15 +121,6 @@ def test_malformed_tool_arguments_reach_the_agent_as_written():
     broken = {**CALL, "function": {"name": "lookup", "arguments": '{"text": '}}
     out = messages_api.message(chat_answer(tool_calls=[broken], finish_reason="tool_calls"), "policy")
     assert out["content"][0]["input"] == {"_raw": '{"text": '}
-
-
-def events_of(frames: list[bytes]) -> list[tuple[str, dict]]:
-    out = []
-    for frame in b"".join(frames).decode().split("\n\n"):
-        if frame:
-            event, data = frame.split("\n")
-            out.append((event.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
-    return out
 
 
 def test_the_events_of_a_stream_rebuild_the_message():
@@ -335,13 +267,7 @@ def test_a_disconnect_mid_stream_leaves_an_incomplete_span(endpoint, store, serv
 
 
 def test_over_the_embedded_backend_streamed_and_not_record_identical_token_ids(tmp_path, store, serve):
-    pytest.importorskip("agl_plugin_torch")
-    from agl_plugin_torch.backend import create
-    from agl_plugin_torch.settings import TorchConfig
-    from agl_plugin_torch.testing import tiny_section
-
-    backend = create(TorchConfig.model_validate(tiny_section()), tmp_path, seed=0, with_critic=False)
-    backend.start_serving("policy")
+    backend = served_backend(tmp_path)
     try:
         gateway = serve(backend.url)
         client = messages_client(gateway)
@@ -362,26 +288,6 @@ def test_over_the_embedded_backend_streamed_and_not_record_identical_token_ids(t
 
 
 # ---------------------------------------------------------------- the example agent's recipe
-
-
-def run_recipe(name: str, run_dir, monkeypatch) -> list[dict]:
-    """A short run of ``examples/guess_number/<name>`` (1 step, groups of 4): its metrics records."""
-    from pathlib import Path
-
-    from agl_core.cli import main
-
-    repo = Path(__file__).resolve().parents[1]
-    monkeypatch.chdir(repo)  # the recipes' paths are relative to the repository root
-    monkeypatch.syspath_prepend(str(repo))
-    code = main(["train", str(repo / "examples" / "guess_number" / name), f"trainer.run_dir={run_dir}",
-                 "trainer.total_steps=1", "trainer.test_freq=1", "trainer.save_freq=1", "trainer.progress=false",
-                 "rollout.n=4", "algorithm.ppo_mini_batch_size=8"])
-    assert code == 0
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-LEARNING = ("val/reward/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl", "training/n_calls",
-            "response_length/mean")
 
 
 def test_the_anthropic_agents_recipe_learns_as_the_default_recipe(tmp_path, monkeypatch):

@@ -9,52 +9,20 @@ model made from a config.
 from __future__ import annotations
 
 import asyncio
-import json
-import time
 
 import httpx
 import openai
 import pytest
 from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+from gateway_apis import (CALL, LEARNING, chat_answer, events_of, run_recipe, serve, served_backend,  # noqa: F401
+                          spans, store, tokens, wait_for)
 
-from agl_core.builtin.memory_store import MemoryStore
-from agl_core.config import GatewayConfig
-from agl_core.data import Task
 from agl_core.gateway import Gateway, api_routes
 from agl_core.gateway import responses as responses_api
 from agl_core.gateway.streaming import chunks_of
 from agl_core.http_rules import RequestError
-from agl_core.store import NewRollout
 
 set_tracing_disabled(True)  # the SDK would export its traces to OpenAI
-
-ROLLOUTS = ("r0", "r1", "r2")
-
-
-@pytest.fixture
-def store():
-    s = MemoryStore()
-    s.enqueue([NewRollout(rollout, Task(id="t", input={})) for rollout in ROLLOUTS])
-    for _ in ROLLOUTS:
-        s.dequeue("w", lease_s=60)
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def serve(store):
-    servers = []
-
-    def start(upstream: str, **config) -> Gateway:
-        gateway = Gateway(store, GatewayConfig(**{"retry_backoff_s": 0.01, **config}),
-                          sampling={"temperature": 0.7, "max_tokens": 64}, upstreams=[upstream])
-        servers.append(gateway.serve())
-        gateway.url = servers[-1].url
-        return gateway
-
-    yield start
-    for server in servers:
-        server.stop()
 
 
 def client(gateway: Gateway, rollout: str = "r0") -> openai.OpenAI:
@@ -66,21 +34,6 @@ def player(gateway: Gateway, rollout: str = "r0", tools=(), **settings) -> Agent
     model = OpenAIResponsesModel(model="policy", openai_client=openai.AsyncOpenAI(
         base_url=Gateway.base_url(gateway.url, rollout, "1"), api_key="unused", max_retries=0))
     return Agent(name="player", model=model, model_settings=ModelSettings(**settings), tools=list(tools))
-
-
-def spans(store, rollout="r0"):
-    return [span for span in store._entries[rollout].spans if span.kind == "llm_call"]
-
-
-def tokens(span):
-    return span.prompt_token_ids, span.response_token_ids, span.response_logprobs
-
-
-def wait_for(condition, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 TOOL = {"type": "function", "name": "lookup", "description": "look a word up", "strict": True,
@@ -95,14 +48,16 @@ def test_a_request_becomes_the_chat_request_it_asks_for():
     body = {
         "model": "policy", "instructions": "be brief", "max_output_tokens": 50, "temperature": 0.5, "top_p": 0.9,
         "tools": [TOOL], "tool_choice": {"type": "function", "name": "lookup"}, "parallel_tool_calls": False,
-        "include": [], "store": True, "metadata": {"k": "v"}, "truncation": "disabled", "text": {"format": {"type": "text"}},
+        "include": [], "store": True, "metadata": {"k": "v"}, "truncation": "disabled",
+        "text": {"format": {"type": "text"}},
         "input": [
             {"role": "developer", "content": "rules"},
             {"role": "user", "content": "find it"},
             {"type": "reasoning", "id": "rs_1", "summary": []},
             {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
              "content": [{"type": "output_text", "text": "looking", "annotations": []}]},
-            {"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": '{"text": "it"}', "id": "fc_1"},
+            {"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": '{"text": "it"}',
+             "id": "fc_1"},
             {"type": "function_call_output", "call_id": "call_1", "output": "found"},
             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "and "},
                                                             {"type": "input_text", "text": "then?"}]},
@@ -152,18 +107,6 @@ def test_a_bad_request_is_refused_naming_the_field(change, named):
     assert named in str(caught.value) and caught.value.status == 400
 
 
-def chat_answer(content="", tool_calls=None, finish_reason="stop"):
-    message = {"role": "assistant", "content": content or None}
-    if tool_calls:
-        message["tool_calls"] = tool_calls
-    return {"id": "c", "object": "chat.completion", "prompt_token_ids": [1, 2, 3],
-            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "token_ids": [4, 5]}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
-
-
-CALL = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"text": "it"}'}}
-
-
 def test_an_answer_becomes_a_response():
     request = {"model": "policy", "input": "hi", "instructions": "be brief"}
     done = responses_api.response(chat_answer("hello"), request)
@@ -181,15 +124,6 @@ def test_an_answer_becomes_a_response():
         ("function_call", "call_1", "lookup", '{"text": "it"}')]
     assert responses_api.answer_message(chat_answer("a", tool_calls=[CALL])) == {
         "role": "assistant", "content": "a", "tool_calls": [CALL]}
-
-
-def events_of(frames: list[bytes]) -> list[tuple[str, dict]]:
-    out = []
-    for frame in b"".join(frames).decode().split("\n\n"):
-        if frame:
-            event, data = frame.split("\n")
-            out.append((event.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
-    return out
 
 
 @pytest.mark.parametrize("answer, names", [
@@ -389,13 +323,7 @@ def test_the_responses_of_an_ended_attempt_are_dropped(endpoint, store, serve, m
 
 
 def test_over_the_embedded_backend_streamed_and_not_record_identical_token_ids(tmp_path, store, serve):
-    pytest.importorskip("agl_plugin_torch")
-    from agl_plugin_torch.backend import create
-    from agl_plugin_torch.settings import TorchConfig
-    from agl_plugin_torch.testing import tiny_section
-
-    backend = create(TorchConfig.model_validate(tiny_section()), tmp_path, seed=0, with_critic=False)
-    backend.start_serving("policy")
+    backend = served_backend(tmp_path)
     try:
         gateway = serve(backend.url)
         openai_client = client(gateway)
@@ -415,8 +343,6 @@ def test_over_the_embedded_backend_streamed_and_not_record_identical_token_ids(t
 
 def test_the_openai_agents_recipe_learns_as_the_default_recipe(tmp_path, monkeypatch):
     pytest.importorskip("agl_plugin_torch")
-    from test_gateway_anthropic import LEARNING, run_recipe
-
     default = run_recipe("recipe.yaml", tmp_path / "default", monkeypatch)
     translated = run_recipe("recipe_openai_agents.yaml", tmp_path / "openai_agents", monkeypatch)
     # Same prompts, same call seeds (by place in the run), same token ids: the same run, number for number.

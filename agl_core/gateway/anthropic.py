@@ -41,7 +41,7 @@ import json
 from typing import Any
 
 from agl_core.gateway.translate import (first_choice, new_id, refuse_unknown, require, server_sent_event,
-                                        tool_arguments, usage_of)
+                                        text_of, tool_arguments, usage_of)
 from agl_core.http_rules import RequestError
 
 API = "anthropic.messages"
@@ -51,6 +51,8 @@ TRANSLATED = frozenset({"model", "max_tokens", "messages", "system", "temperatur
 IGNORED = frozenset({"metadata", "service_tier", "cache_control", "thinking", "container", "context_management",
                      "diagnostics", "inference_geo", "speed", "user_profile_id", "workspace_id", "output_config"})
 """Fields that change nothing the policy samples: accepted so that agents setting them run unchanged."""
+
+TEXT_BLOCKS = frozenset({"text"})
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use",
                 "content_filter": "refusal"}
@@ -85,7 +87,7 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
         raise RequestError(400, "'messages' must be a non-empty list of messages")
     chat: list[dict[str, Any]] = []
     if body.get("system") is not None:
-        chat.append({"role": "system", "content": _text(body["system"], "system")})
+        chat.append({"role": "system", "content": text_of(body["system"], "system", TEXT_BLOCKS)})
     for index, entry in enumerate(messages):
         chat.extend(_messages(entry, f"messages[{index}]"))
     out: dict[str, Any] = {"model": body["model"], "messages": chat, "max_tokens": body["max_tokens"]}
@@ -129,7 +131,7 @@ def _messages(entry: Any, where: str) -> list[dict[str, Any]]:
         elif kind == "tool_result" and role == "user":
             results.append({"role": "tool",
                             "tool_call_id": require(block.get("tool_use_id"), str, f"{at}.tool_use_id", "a string"),
-                            "content": _text(block.get("content") or "", f"{at}.content")})
+                            "content": text_of(block.get("content") or "", f"{at}.content", TEXT_BLOCKS)})
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue  # the policy does not think aloud: a client replaying another model's thoughts loses nothing
         else:
@@ -144,20 +146,6 @@ def _messages(entry: Any, where: str) -> list[dict[str, Any]]:
     elif texts or not results:
         out.append({"role": "user", "content": "".join(texts)})
     return out
-
-
-def _text(content: Any, where: str) -> str:
-    """The text of a string or a list of text blocks."""
-    if isinstance(content, str):
-        return content
-    blocks = require(content, list, where, "a string or a list of text blocks")
-    texts = []
-    for index, block in enumerate(blocks):
-        require(block, dict, f"{where}[{index}]", "a text block")
-        if block.get("type") != "text":
-            raise RequestError(400, f"'{where}[{index}].type' must be 'text', got {block.get('type')!r:.80}")
-        texts.append(require(block.get("text"), str, f"{where}[{index}].text", "a string"))
-    return "".join(texts)
 
 
 def _tool(tool: Any, where: str) -> dict[str, Any]:

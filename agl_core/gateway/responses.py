@@ -45,7 +45,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from agl_core.gateway.translate import first_choice, new_id, refuse_unknown, require, server_sent_event, usage_of
+from agl_core.gateway.translate import (first_choice, new_id, refuse_unknown, require, server_sent_event,
+                                        text_of, usage_of)
 from agl_core.http_rules import RequestError
 
 API = "openai.responses"
@@ -184,7 +185,7 @@ def _input_messages(items: Any) -> list[dict[str, Any]]:
                 raise RequestError(400, f"'{where}.role' must be 'user', 'assistant', 'system' or 'developer', "
                                         f"got {role!r:.80}")
             out.append({"role": "system" if role == "developer" else role,
-                        "content": _text(item.get("content"), f"{where}.content")})
+                        "content": text_of(item.get("content"), f"{where}.content", TEXT_PARTS)})
         elif kind == "function_call":
             call = {"id": require(item.get("call_id"), str, f"{where}.call_id", "a string"), "type": "function",
                     "function": {"name": require(item.get("name"), str, f"{where}.name", "a string"),
@@ -198,28 +199,13 @@ def _input_messages(items: Any) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             out.append({"role": "tool", "tool_call_id": require(item.get("call_id"), str, f"{where}.call_id",
                                                                 "a string"),
-                        "content": _text(item.get("output", ""), f"{where}.output")})
+                        "content": text_of(item.get("output", ""), f"{where}.output", TEXT_PARTS)})
         elif kind == "reasoning":
             continue
         else:
             raise RequestError(400, f"'{where}.type' {kind!r:.80} is not supported (the policy reads messages, "
                                     f"function_call and function_call_output items)")
     return out
-
-
-def _text(content: Any, where: str) -> str:
-    """The text of a string or a list of text parts."""
-    if isinstance(content, str):
-        return content
-    parts = require(content, list, where, "a string or a list of text parts")
-    texts = []
-    for index, part in enumerate(parts):
-        require(part, dict, f"{where}[{index}]", "a content part")
-        if part.get("type") not in TEXT_PARTS:
-            raise RequestError(400, f"'{where}[{index}].type' {part.get('type')!r:.80} is not supported "
-                                    f"(the policy reads text parts)")
-        texts.append(require(part.get("text"), str, f"{where}[{index}].text", "a string"))
-    return "".join(texts)
 
 
 def _tool(tool: Any, where: str) -> dict[str, Any]:

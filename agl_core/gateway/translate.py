@@ -26,6 +26,24 @@ def require(value: Any, kind: type | tuple[type, ...], where: str, what: str) ->
     return value
 
 
+def text_of(content: Any, where: str, kinds: frozenset[str]) -> str:
+    """The text of ``content``: a string, or a list of text parts whose ``type`` is one of ``kinds``, joined.
+
+    RequestError 400 naming ``where`` (and the part) for anything else: the policy reads text only.
+    """
+    if isinstance(content, str):
+        return content
+    parts = require(content, list, where, "a string or a list of text parts")
+    texts = []
+    for index, part in enumerate(parts):
+        require(part, dict, f"{where}[{index}]", "a content part")
+        if part.get("type") not in kinds:
+            raise RequestError(400, f"'{where}[{index}].type' {part.get('type')!r:.80} is not supported "
+                                    f"(the policy reads {' and '.join(sorted(kinds))} parts)")
+        texts.append(require(part.get("text"), str, f"{where}[{index}].text", "a string"))
+    return "".join(texts)
+
+
 def refuse_unknown(body: dict[str, Any], known: frozenset[str], where: str = "") -> None:
     """RequestError 400 naming the keys of ``body`` that are not in ``known`` (prefixed by ``where``)."""
     unknown = sorted(set(body) - known)

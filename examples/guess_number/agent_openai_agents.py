@@ -1,4 +1,4 @@
-"""The guess-the-number game (``agent.py``) written with the OpenAI Agents SDK (Responses API), trained through the gateway.
+"""The guess-the-number game (``agent.py``) written with the OpenAI Agents SDK (Responses API), through the gateway.
 
 The same game, turn for turn, as the plain-``openai`` agent: an SDK
 ``Agent`` answers each turn, continuing the conversation on the gateway with
