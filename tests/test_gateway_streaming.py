@@ -19,7 +19,7 @@ from agl_core.data import Task
 from agl_core.gateway import Gateway
 from agl_core.gateway.capture import CHAT, COMPLETIONS
 from agl_core.gateway.server import call_seed
-from agl_core.gateway.streaming import StreamAssembly, chunks_of, sse_payloads
+from agl_core.gateway.streaming import SSEParser, StreamAssembly, chunks_of
 from agl_core.http_server import ServerThread
 from agl_core.store import NewRollout
 from agl_core.testing_endpoint import ByteTokenizer, TestEndpoint
@@ -187,19 +187,6 @@ class _Replay:
         return self._raw
 
 
-def test_a_durable_gateway_ends_a_stream_only_once_its_spans_are_flushed(store, endpoint, monkeypatch):
-    flushed = []
-    monkeypatch.setattr(store, "flush", lambda: flushed.append(len(llm_spans(store, "streamed"))))
-    gateway = Gateway(store, GatewayConfig(), upstreams=[endpoint.url], durable=True)
-    server = gateway.serve()
-    try:
-        list(client(server, "streamed").chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "x"}], stream=True))
-        assert flushed == [1]
-    finally:
-        server.stop()
-
-
 def test_a_store_that_cannot_record_a_stream_ends_it_with_an_error_event(store, gateway, monkeypatch):
     _, server = gateway
 
@@ -225,16 +212,16 @@ def test_raw_events_are_openai_server_sent_events(store, gateway):
 
 # ------------------------------------------------------------ the format functions, on their own
 
-def test_sse_payloads_reads_events_the_way_the_format_says():
-    async def lines():
-        for line in [b": a comment\n", b"data: {\"a\": 1}\n", b"\n", b"event: x\n", b"data:{\"b\"\n",
-                     b"data: : 2}\n", b"\r\n", b"data: [DONE]\n", b"\n", b"data: {\"late\": 1}\n", b"\n"]:
-            yield line
-
-    async def read():
-        return [p async for p in sse_payloads(lines())]
-
-    assert asyncio.run(read()) == [b'{"a": 1}', b'{"b"\n: 2}']
+def test_the_sse_parser_reads_events_the_way_the_format_says_however_the_bytes_are_cut():
+    stream = (b': a comment\n'
+              b'data: {"a": 1}\n\n'
+              b'event: x\ndata:{"b"\ndata: : 2}\r\n\r\n'
+              b'data: [DONE]\n\n'
+              b'data: {"late": 1}\n\n')
+    for cut in range(1, len(stream)):
+        parser = SSEParser()
+        payloads = parser.feed(stream[:cut]) + parser.feed(stream[cut:])
+        assert payloads == [b'{"a": 1}', b'{"b"\n: 2}'] and parser.done
 
 
 @pytest.mark.parametrize("endpoint_name, response", [

@@ -42,7 +42,7 @@ from agl_core.data import Span
 from agl_core.gateway.api_routes import TranslatedApis
 from agl_core.gateway.capture import CHAT, COMPLETIONS, Captured, ask_for_tokens, capture, without_token_fields
 from agl_core.gateway.streaming import (EVENT_STREAM, CallStream, EventStreamResponse, chunks_of, dumps,
-                                       include_usage, iterate, sse_payloads)
+                                       include_usage, one_batch, sse_batches)
 from agl_core.gateway.tools import check_tools
 from agl_core.gateway.upstream import Forwarded, Opened, Upstreams, open_with_retries, post_with_retries
 from agl_core.gateway.weight_sync import CallGate
@@ -90,16 +90,15 @@ class Gateway:
     ``weight_version``, which the runner sets. :meth:`serve` runs it on a
     background thread.
 
-    With ``durable``, a call is answered only once its spans are durable in
-    the store (``store.flush()``): needed when the store is a service that
-    other processes read, since the agent's runner may finish the rollout, and
-    the trainer read it, right after the agent's last call.
+    Each call costs the store one ``admit`` before it goes upstream; its spans
+    are added after (a store service's client uploads them in the background,
+    and the service makes the rollout's ``finish`` wait for the spans of the
+    calls it admitted: :mod:`agl_core.store_server`).
     """
 
     def __init__(self, store: Store, config: GatewayConfig | None = None,
-                 sampling: dict[str, Any] | None = None, upstreams: list[str] = (), seed: int | None = None,
-                 durable: bool = False):
-        self.store, self.durable = store, durable
+                 sampling: dict[str, Any] | None = None, upstreams: list[str] = (), seed: int | None = None):
+        self.store = store
         self.config = config or GatewayConfig()
         self.token = token_from(self.config.token, TOKEN_ENV)
         require_token_off_loopback("the gateway", self.config.host, self.token,
@@ -297,11 +296,11 @@ class Gateway:
                                       start, time.time())
                 await asyncio.to_thread(self._record, rollout_id, spans)
                 raise CallFailed(status, error, opened.body if opened.error is None and status >= 400 else None)
-            payloads = iterate([dumps(chunk) for chunk in chunks_of(endpoint, response, include_usage(body))])
+            batches = one_batch([dumps(chunk) for chunk in chunks_of(endpoint, response, include_usage(body))])
             release = None
         else:
             status, tries = opened.response.status, opened.tries
-            payloads, release = sse_payloads(opened.response.content), opened.response.release
+            batches, release = sse_batches(opened.response.content), opened.response.release
         common = self._span_attributes(endpoint, upstream, status, tries, state, weight_version)
 
         async def on_close(stream: CallStream) -> None:
@@ -318,7 +317,7 @@ class Gateway:
             except RequestError as exc:
                 stream.record_error = str(exc)
 
-        return CallStream(endpoint, payloads, on_close, release)
+        return CallStream(endpoint, batches, on_close, release)
 
     def _span_attributes(self, endpoint: str, upstream: str | None, status: int, tries: int,
                          state: AttemptState, weight_version: int | None) -> dict[str, Any]:
@@ -340,23 +339,21 @@ class Gateway:
 
     def _admit(self, rollout_id: str, attempt_id: str, n: int) -> tuple[AttemptState, list[int]]:
         """The running attempt's state and a sequence id per choice; RequestError when the attempt is not running."""
-        state = self.store.attempt_state(rollout_id, attempt_id)
+        try:
+            state, sequence_ids = self.store.admit(rollout_id, attempt_id, n)
+        except KeyError:  # released between the check and the ids: it ended meanwhile
+            raise RequestError(409, f"rollout {rollout_id!r} ended; its calls are not recorded") from None
         if state is None:
             raise RequestError(404, f"unknown rollout {rollout_id!r}")
         if not state.current:
             raise RequestError(409, f"attempt {attempt_id!r} of rollout {rollout_id!r} is not running "
                                     f"(the rollout is {state.rollout_status}); its calls are not recorded")
-        try:
-            return state, [self.store.next_sequence_id(rollout_id) for _ in range(n)]
-        except KeyError:  # released between the check and here: it ended meanwhile
-            raise RequestError(409, f"rollout {rollout_id!r} ended; its calls are not recorded") from None
+        return state, sequence_ids
 
     def _record(self, rollout_id: str, spans: list[Span]) -> None:
         """Write the call's spans; RequestError 503 when the store cannot (the agent must not train blind)."""
         try:
             self.store.add_spans(spans)
-            if self.durable:
-                self.store.flush()
         except KeyError:  # the rollout ended (timed out) and was consumed while this call was in flight
             log.info("rollout %s was released before its call returned; the call is not recorded", rollout_id)
         except Exception as exc:  # noqa: BLE001 - a store that cannot write fails the call, not the gateway

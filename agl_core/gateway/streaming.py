@@ -5,7 +5,7 @@ A streamed ``chat/completions`` or ``completions`` call answers with
 server, asked for ``return_token_ids``, puts ``prompt_token_ids`` on the
 first chunk (top level for chat, per choice for completions) and each
 choice's new ``token_ids`` on every chunk with its log-probs. These functions
-read such a stream (:func:`sse_payloads`), frame events (:func:`sse_event`),
+read such a stream (:class:`SSEParser`, :func:`sse_batches`), frame events (:func:`sse_event`),
 assemble the chunks into the answer a non-streamed call would have got
 (:class:`StreamAssembly`), so that the span of a streamed call is made by
 the same code from the same fields, and turn a whole answer into chunks
@@ -15,8 +15,9 @@ the same code from the same fields, and turn a whole answer into chunks
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -34,27 +35,57 @@ def sse_event(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
 
 
-async def sse_payloads(lines: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
-    """The data of each event of a server-sent event stream read line by line, up to ``[DONE]`` (not yielded).
+class SSEParser:
+    """Server-sent events fed as bytes arrive: :meth:`feed` returns the data of each event completed so far.
 
     Comments (``:``) and fields other than ``data`` are skipped; an event of
-    several ``data`` lines is joined with newlines, as the format says.
+    several ``data`` lines is joined with newlines, as the format says. The
+    ``[DONE]`` event ends the stream: it is not returned, :attr:`done` turns
+    true and later bytes are ignored.
     """
-    data: list[bytes] = []
-    async for raw in lines:
-        line = raw.rstrip(b"\r\n")
-        if not line:
-            if data:
-                payload = b"\n".join(data)
-                data = []
-                if payload == DONE:
-                    return
-                yield payload
-            continue
-        if line.startswith(b"data:"):
-            data.append(line[6:] if line[5:6] == b" " else line[5:])
-    if data and (payload := b"\n".join(data)) != DONE:
-        yield payload
+
+    def __init__(self) -> None:
+        self.done = False
+        self._partial = b""  # a line not ended yet
+        self._data: list[bytes] = []  # the data lines of the event being read
+
+    def feed(self, data: bytes) -> list[bytes]:
+        if self.done:
+            return []
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        payloads = []
+        for raw in lines:
+            line = raw[:-1] if raw.endswith(b"\r") else raw
+            if line:
+                if line.startswith(b"data:"):
+                    self._data.append(line[6:] if line[5:6] == b" " else line[5:])
+                continue
+            if not self._data:
+                continue
+            payload = b"\n".join(self._data)
+            self._data = []
+            if payload == DONE:
+                self.done = True
+                break
+            payloads.append(payload)
+        return payloads
+
+
+async def sse_batches(content: aiohttp.StreamReader) -> AsyncIterator[list[bytes]]:
+    """The data of the events of an upstream's event stream, a batch per read: every event that had arrived.
+
+    Reading what has arrived (not line by line) lets a fast upstream's events go
+    on in one write, and costs one wait per read instead of one per line.
+    """
+    parser = SSEParser()
+    while not parser.done:
+        data = await content.readany()
+        if not data:
+            return
+        payloads = parser.feed(data)
+        if payloads:
+            yield payloads
 
 
 class StreamAssembly:
@@ -210,60 +241,100 @@ def dumps(obj: Any) -> bytes:
 
 
 class Chunk:
-    """One chunk of a relayed stream: ``data`` parsed, ``raw`` the JSON bytes as the upstream sent them."""
+    """One chunk of a relayed stream: ``raw``, the JSON bytes as the upstream sent them; ``data``, parsed on first use.
 
-    __slots__ = ("data", "raw")
+    The chat route relays ``raw`` and never parses a chunk on its way: the
+    stream's chunks are parsed together when it closes (ValueError from
+    ``data`` when a chunk is not a JSON object).
+    """
 
-    def __init__(self, data: dict[str, Any], raw: bytes):
-        self.data, self.raw = data, raw
+    __slots__ = ("raw", "_data")
+
+    def __init__(self, raw: bytes):
+        self.raw, self._data = raw, None
+
+    @property
+    def data(self) -> dict[str, Any]:
+        if self._data is None:
+            data = json.loads(self.raw)
+            if not isinstance(data, dict):
+                raise ValueError("a chunk is not a JSON object")
+            self._data = data
+        return self._data
 
 
 class CallStream:
     """A streamed model call being relayed: iterate its :class:`Chunk` s, then :meth:`close` it, always.
 
-    Each chunk is added to :attr:`assembly` as it passes. ``on_close(self)``
-    records the call; it runs once, from :meth:`close`, shielded from the
-    cancellation of a client that went away. By then :attr:`ended` says
-    whether the upstream's stream reached its end (else the consumer stopped
-    early: the call is incomplete) and :attr:`error` why it broke off, if it
-    did. ``release`` drops the upstream connection (an unfinished upstream
-    stops generating).
+    ``async for chunk in stream`` gives the chunks one by one;
+    :meth:`next_batch` gives every chunk that has arrived (fewer writes when
+    the upstream is fast). :meth:`close` assembles the chunks into
+    :attr:`assembly`, then ``on_close(self)`` records the call; it runs once,
+    shielded from the cancellation of a client that went away. By then
+    :attr:`ended` says whether the upstream's stream reached its end (else
+    the consumer stopped early: the call is incomplete) and :attr:`error` why
+    it broke off, if it did. ``release`` lets the upstream connection go (an
+    unfinished upstream stops generating).
     """
 
-    def __init__(self, endpoint: str, payloads: AsyncIterator[bytes],
-                 on_close: Callable[[CallStream], Awaitable[None]], release: Callable[[], None] | None = None):
+    def __init__(self, endpoint: str, batches: AsyncIterator[list[bytes]],
+                 on_close: Callable[[CallStream], Awaitable[None]], release: Callable[[], Any] | None = None):
         self.assembly = StreamAssembly(endpoint)
         self.ended = False
         self.error: str | None = None
         self.record_error: str | None = None  # set by on_close when the call could not be recorded
-        self._payloads, self._on_close, self._release = payloads, on_close, release
+        self._batches, self._on_close, self._release = batches, on_close, release
+        self._chunks: list[Chunk] = []
+        self._pending: collections.deque[Chunk] = collections.deque()
         self._closed = False
 
     def __aiter__(self) -> CallStream:
         return self
 
     async def __anext__(self) -> Chunk:
+        if not self._pending:
+            self._pending.extend(await self.next_batch())
+            if not self._pending:
+                raise StopAsyncIteration
+        return self._pending.popleft()
+
+    async def next_batch(self) -> list[Chunk]:
+        """The chunks that have arrived (waiting for at least one); [] once the stream ended or broke off."""
         if self.ended or self.error is not None:
-            raise StopAsyncIteration
+            return []
         try:
-            raw = await self._payloads.__anext__()
-            data = json.loads(raw)
-            if not isinstance(data, dict):
-                raise ValueError("not an object")
+            chunks = [Chunk(raw) for raw in await self._batches.__anext__()]
         except StopAsyncIteration:
             self.ended = True
-            raise
+            return []
         except asyncio.TimeoutError:
             self.error = "the policy server did not finish its stream in time"
-            raise StopAsyncIteration from None
+            return []
         except aiohttp.ClientError as exc:
             self.error = f"the policy server broke off its stream: {exc}"
-            raise StopAsyncIteration from None
-        except ValueError:
-            self.error = "the policy server streamed a chunk that is not a JSON object"
-            raise StopAsyncIteration from None
-        self.assembly.add(data)
-        return Chunk(data, raw)
+            return []
+        self._chunks += chunks
+        return chunks
+
+    def _assemble(self) -> None:
+        """Parse the chunks not parsed yet (in one go) and add them all to :attr:`assembly`, in order."""
+        chunks = self._chunks
+        unparsed = [chunk for chunk in chunks if chunk._data is None]
+        if unparsed:
+            try:
+                values = json.loads(b"[" + b",".join(chunk.raw for chunk in unparsed) + b"]")
+            except ValueError:
+                values = None
+            if values is not None and len(values) == len(unparsed) and all(isinstance(v, dict) for v in values):
+                for chunk, value in zip(unparsed, values):
+                    chunk._data = value
+        for chunk in chunks:
+            try:
+                data = chunk.data
+            except ValueError:  # one at a time finds the first bad one
+                self.error = "the policy server streamed a chunk that is not a JSON object"
+                return
+            self.assembly.add(data)
 
     async def close(self) -> None:
         """Release the upstream and record the call (once); safe to call from a cancelled task."""
@@ -273,6 +344,7 @@ class CallStream:
         with anyio.CancelScope(shield=True):
             if self._release is not None:
                 self._release()
+            self._assemble()
             await self._on_close(self)
 
 
@@ -290,15 +362,27 @@ class EventStreamResponse:
         self.stream = stream
 
     async def __call__(self, scope, receive, send) -> None:
-        async with anyio.create_task_group() as group:
-            async def relay() -> None:
-                await self._relay(send)
-                group.cancel_scope.cancel()
+        # The relay runs in this task; a watcher cancels it when the client disconnects (what Starlette's
+        # StreamingResponse does with a task group, for one task less per call).
+        relay = asyncio.current_task()
+        done = False
 
-            group.start_soon(relay)
+        async def watch() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
-            group.cancel_scope.cancel()
+            if not done:
+                relay.cancel()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            await self._relay(send)
+        except asyncio.CancelledError:
+            if not watcher.done():
+                raise
+            # The client left: the stream was closed and recorded incomplete; there is no one to answer.
+        finally:
+            done = True
+            watcher.cancel()
 
     async def _relay(self, send) -> None:
         stream = self.stream
@@ -306,8 +390,9 @@ class EventStreamResponse:
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
                                 (b"cache-control", b"no-cache")]})
         try:
-            async for chunk in stream:
-                await send({"type": "http.response.body", "body": sse_event(chunk.raw), "more_body": True})
+            while batch := await stream.next_batch():
+                await send({"type": "http.response.body", "body": b"".join(sse_event(c.raw) for c in batch),
+                            "more_body": True})
         finally:
             await stream.close()
         error = stream.error or stream.record_error
@@ -316,7 +401,6 @@ class EventStreamResponse:
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 
-async def iterate(items: list[bytes]) -> AsyncIterator[bytes]:
-    """``items`` as an async iterator (the chunks of an answer that came whole)."""
-    for item in items:
-        yield item
+async def one_batch(items: list[bytes]) -> AsyncIterator[list[bytes]]:
+    """``items`` as a stream's one batch (the chunks of an answer that came whole)."""
+    yield items
