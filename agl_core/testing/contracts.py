@@ -30,6 +30,9 @@ The fixtures every class reads:
 ``plugin_overrides``
     Recipe overrides (``key=value``) the plugin needs, e.g. a required
     setting ``plugins.NAME.key=value``; default none.
+``plugin_flags``
+    Other installed plugins to enable beside it (``-p`` values), e.g.
+    ``["instant"]`` for a backend's step; default none.
 
 and per kind: ``estimator_name``, ``loss_name``, ``aggregator_name``,
 ``store_name`` (or a ``store`` fixture that returns a fresh store), and for a
@@ -43,6 +46,7 @@ the aggregate :class:`PluginContract` share them.
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -124,18 +128,34 @@ def contract_env(run_dir: Path, plugin_name: str, plugin_object: Any = None, ove
     return ContractEnv(plugin_name, recipe, plugins, ctx)
 
 
+def overrides_of(section: dict[str, Any], prefix: str) -> list[str]:
+    """``key=value`` recipe overrides that set the nested ``section`` under ``prefix`` (e.g. ``plugins.NAME``).
+
+    Values are written as JSON, which the recipe reader parses as YAML: lists
+    and strings with commas survive.
+    """
+    out = []
+    for key, value in section.items():
+        if isinstance(value, dict):
+            out += overrides_of(value, f"{prefix}.{key}")
+        else:
+            out.append(f"{prefix}.{key}={json.dumps(value)}")
+    return out
+
+
 # ------------------------------------------------------------------------------------------ example data
 
 
 def example_batch(rows: int = 8, group_size: int = 4, prompt_length: int = 4, response_length: int = 6,
-                  seed: int = 0) -> Batch:
+                  seed: int = 0, with_baselines: bool = False) -> Batch:
     """Rows as the loop hands them to an estimator: the aggregator's columns plus the computed ones.
 
     Responses have 1..``response_length`` real tokens (the first row is full),
     the reward sits on the last real token, groups of ``group_size`` rows
     share a ``uid`` and have rewards that differ. ``old_log_probs``,
-    ``ref_log_prob``, ``values``, ``token_level_rewards`` and
-    ``reward_baselines`` are set, so any built-in estimator can run.
+    ``ref_log_prob``, ``values`` and ``token_level_rewards`` are set, and
+    ``reward_baselines`` (the greedy responses' rewards, which only remax
+    reads) with ``with_baselines``.
     """
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, response_length + 1, (rows,), generator=g)
@@ -149,7 +169,8 @@ def example_batch(rows: int = 8, group_size: int = 4, prompt_length: int = 4, re
     scores[torch.arange(rows), (lengths - 1).clamp(min=0)] = rewards
     attention_mask = torch.cat([torch.ones(rows, prompt_length, dtype=torch.long), response_mask], dim=1)
     mask = response_mask.float()
-    return Batch(
+    baselines = torch.rand(rows, generator=g)
+    batch = Batch(
         tensors={
             "prompts": prompts, "responses": responses, "response_mask": response_mask,
             "input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attention_mask,
@@ -159,7 +180,6 @@ def example_batch(rows: int = 8, group_size: int = 4, prompt_length: int = 4, re
             "old_log_probs": -torch.rand(rows, response_length, generator=g) * mask,
             "ref_log_prob": -torch.rand(rows, response_length, generator=g) * mask,
             "values": torch.randn(rows, response_length, generator=g) * mask,
-            "reward_baselines": torch.rand(rows, generator=g),
         },
         non_tensors={
             "uid": np.array([f"task-{i // group_size}" for i in range(rows)], dtype=object),
@@ -167,6 +187,9 @@ def example_batch(rows: int = 8, group_size: int = 4, prompt_length: int = 4, re
             "turn_index": np.zeros(rows, dtype=np.int64),
         },
     )
+    if with_baselines:
+        batch["reward_baselines"] = baselines
+    return batch
 
 
 def example_rollouts(tasks: int = 2, samples: int = 2) -> list[Rollout]:
@@ -253,7 +276,15 @@ def check_estimator(env: ContractEnv, name: str) -> None:
     assert env.recipe.algorithm.estimator == name, "the env must be made with algorithm.estimator=" + name
     env.ctx.slots["advantage"] = env.plugins.resolve_slot("advantage", env.recipe.plugins.slots.get("advantage"))
     who = f"estimator {name!r} of plugin {env.plugin!r}"
-    batch = example_batch()
+    # The loop sets reward_baselines only for the estimator that reads it (remax): others get a batch without it.
+    try:
+        env.ctx.call("advantage", batch=example_batch())
+        with_baselines = False
+    except KeyError as exc:
+        if "reward_baselines" not in str(exc):
+            raise
+        with_baselines = True
+    batch = example_batch(with_baselines=with_baselines)
     inputs = {k: batch[k].clone() for k in ("token_level_rewards", "response_mask", "values", "old_log_probs")}
     out = env.ctx.call("advantage", batch=batch)
     assert isinstance(out, Batch) and len(out) == len(batch), f"{who}: the advantage slot must return the batch"
@@ -268,7 +299,7 @@ def check_estimator(env: ContractEnv, name: str) -> None:
         assert torch.isfinite(value).all(), f"{who}: {column} holds NaN or inf"
     for column, before in inputs.items():
         assert torch.equal(out[column], before), f"{who} changed the input column {column!r}"
-    again = env.ctx.call("advantage", batch=example_batch())
+    again = env.ctx.call("advantage", batch=example_batch(with_baselines=with_baselines))
     assert torch.allclose(again["advantages"], out["advantages"]), f"{who}: the same batch gave other advantages"
 
 
@@ -643,13 +674,21 @@ class _ContractBase:
         return []
 
     @pytest.fixture
+    def plugin_flags(self) -> list[str]:
+        return []
+
+    @pytest.fixture
+    def backend_tasks(self) -> list[Task]:
+        return example_tasks()
+
+    @pytest.fixture
     def contract_recipe(self, plugin_overrides) -> list[str]:
         """The overrides the env is made with: the plugin's, plus what the kind under test needs."""
         return list(plugin_overrides)
 
     @pytest.fixture
-    def env(self, tmp_path, plugin_name, plugin_object, contract_recipe) -> ContractEnv:
-        return contract_env(tmp_path / "run", plugin_name, plugin_object, contract_recipe)
+    def env(self, tmp_path, plugin_name, plugin_object, contract_recipe, plugin_flags) -> ContractEnv:
+        return contract_env(tmp_path / "run", plugin_name, plugin_object, contract_recipe, plugin_flags)
 
 
 class EstimatorContract(_ContractBase):
@@ -745,12 +784,8 @@ class BackendContract(_ContractBase):
     """
 
     @pytest.fixture
-    def backend_tasks(self) -> list[Task]:
-        return example_tasks()
-
-    @pytest.fixture
-    def contract_recipe(self, plugin_overrides, plugin_name) -> list[str]:
-        return backend_overrides(plugin_overrides)
+    def contract_recipe(self, plugin_overrides, backend_tasks) -> list[str]:
+        return backend_overrides(plugin_overrides, backend_tasks)
 
     def test_each_slot_returns_what_the_loop_reads(self, env, backend_tasks):
         check_backend_slots(env, backend_tasks)
@@ -759,10 +794,10 @@ class BackendContract(_ContractBase):
         check_backend_run(env, backend_tasks)
 
 
-def backend_overrides(plugin_overrides: list[str]) -> list[str]:
-    """A one-step recipe with a checkpoint, small batches; the plugin's overrides win."""
-    return ["trainer.total_steps=1", "trainer.save_freq=1", "trainer.test_freq=0", "trainer.val_before_train=false",
-            "data.train_batch_size=4", "rollout.n=4", "algorithm.ppo_mini_batch_size=8", "data.max_prompt_length=8",
+def backend_overrides(plugin_overrides: list[str], tasks: list[Task]) -> list[str]:
+    """A one-step recipe over ``tasks`` with a validation and a checkpoint, small batches; the plugin's overrides win."""
+    return ["trainer.total_steps=1", "trainer.save_freq=1", "trainer.test_freq=1", "trainer.val_before_train=false",
+            f"data.train_batch_size={len(tasks)}", "rollout.n=4", "algorithm.ppo_mini_batch_size=8", "data.max_prompt_length=8",
             "data.max_response_length=4", *plugin_overrides]
 
 
@@ -775,52 +810,73 @@ class PluginContract(_ContractBase):
     its backend slots and its lifecycle hooks. A hook no contract covers (say
     ``export_model``) fails :meth:`test_nothing_left_out` unless the class
     names it in ``not_covered`` with the reason, e.g.
-    ``not_covered = {"export_model": "tested by tests/test_export.py"}``;
-    the same key silences a kind this class cannot run here (a backend that
-    needs a GPU), and it is listed in the test's output as skipped.
+    ``not_covered = {"export_model": "tested by tests/test_export.py"}``.
+    ``"estimator:NAME"`` (or ``policy_loss:``, ``aggregator:``, ``store:``)
+    leaves out one component that needs inputs the contract cannot make
+    (a column only a GPU backend computes); the others are checked and the
+    test then ends as skipped, naming it.
+    A key naming a hook of a kind, or ``"backend"`` (every backend slot) or
+    ``"lifecycle"`` (the lifecycle hooks), skips that kind's test with the
+    reason, listed in pytest's summary: for what cannot run here (a backend
+    that needs a GPU, a runner that needs an agent and a policy server).
     """
 
     not_covered: dict[str, str] = {}
     spans_idempotent = True
-    backend_tasks = None
 
     def _skip_if_declared(self, hook: str) -> None:
         if hook in self.not_covered:
             pytest.skip(f"{hook}: {self.not_covered[hook]}")
 
-    def _env_with(self, tmp_path, plugin_name, plugin_object, plugin_overrides, *extra: str) -> ContractEnv:
-        run_dir = tmp_path / f"run-{len(list(tmp_path.iterdir()))}"
-        return contract_env(run_dir, plugin_name, plugin_object, [*extra, *plugin_overrides])
+    @pytest.fixture
+    def fresh_env(self, tmp_path, plugin_name, plugin_object, plugin_overrides, plugin_flags):
+        """Factory: a new env (its own run directory) with more overrides before the plugin's own."""
+        counter = iter(range(1_000_000))
+
+        def make(*extra: str) -> ContractEnv:
+            return contract_env(tmp_path / f"run-{next(counter)}", plugin_name, plugin_object,
+                                [*extra, *plugin_overrides], plugin_flags)
+
+        return make
 
     def test_loads(self, env):
         plugin = env.plugins.plugins[env.plugin]
         assert plugin.status == "active" and plugin.hooks, f"plugin {plugin.label} implements no hook"
 
-    def test_estimators(self, env, tmp_path, plugin_name, plugin_object, plugin_overrides):
-        self._skip_if_declared("register_estimators")
-        for name in env.owned("estimator"):
-            check_estimator(self._env_with(tmp_path, plugin_name, plugin_object, plugin_overrides,
-                                           f"algorithm.estimator={name}"), name)
+    def _each(self, env: ContractEnv, kind: str) -> Iterator[str]:
+        """The plugin's components of ``kind``, less those declared ``not_covered["kind:name"]``; then a skip naming those."""
+        declared = {}
+        for name in env.owned(kind):
+            if f"{kind}:{name}" in self.not_covered:
+                declared[name] = self.not_covered[f"{kind}:{name}"]
+            else:
+                yield name
+        if declared:
+            pytest.skip("the others passed; not covered: " + "; ".join(f"{kind} {n}: {why}"
+                                                                     for n, why in declared.items()))
 
-    def test_policy_losses(self, env, tmp_path, plugin_name, plugin_object, plugin_overrides):
+    def test_estimators(self, env, fresh_env):
+        self._skip_if_declared("register_estimators")
+        for name in self._each(env, "estimator"):
+            check_estimator(fresh_env(f"algorithm.estimator={name}"), name)
+
+    def test_policy_losses(self, env, fresh_env):
         self._skip_if_declared("register_policy_losses")
-        for name in env.owned("policy_loss"):
-            check_policy_loss(self._env_with(tmp_path, plugin_name, plugin_object, plugin_overrides,
-                                             f"algorithm.policy_loss.name={name}"), name)
+        for name in self._each(env, "policy_loss"):
+            check_policy_loss(fresh_env(f"algorithm.policy_loss.name={name}"), name)
 
     def test_aggregators(self, env):
         self._skip_if_declared("register_aggregators")
-        for name in env.owned("aggregator"):
+        for name in self._each(env, "aggregator"):
             check_aggregator(env, name)
 
-    def test_stores(self, env, tmp_path, plugin_name, plugin_object, plugin_overrides):
+    def test_stores(self, env, fresh_env):
         self._skip_if_declared("register_stores")
-        for name in env.owned("store"):
+        for name in self._each(env, "store"):
             for check in STORE_CHECKS:
                 if check is check_store_spans_written_again and not self.spans_idempotent:
                     continue  # declared by the class: spans_idempotent = False
-                fresh = self._env_with(tmp_path, plugin_name, plugin_object, plugin_overrides)
-                store = open_store(fresh, name)
+                store = open_store(fresh_env(), name)
                 try:
                     check(store)
                 finally:
@@ -841,14 +897,12 @@ class PluginContract(_ContractBase):
         if set(LIFECYCLE_HOOKS) & set(env.hooks):
             check_lifecycle(env)
 
-    def test_backend_slots(self, env, tmp_path, plugin_name, plugin_object, plugin_overrides):
+    def test_backend_slots(self, env, fresh_env, backend_tasks):
         self._skip_if_declared("backend")
         if not set(BACKEND_SLOTS) & set(env.hooks):
             return
-        tasks = self.backend_tasks or example_tasks()
-        overrides = backend_overrides(plugin_overrides)
-        check_backend_slots(self._env_with(tmp_path, plugin_name, plugin_object, overrides), tasks)
-        check_backend_run(self._env_with(tmp_path, plugin_name, plugin_object, overrides), tasks)
+        check_backend_slots(fresh_env(*backend_overrides([], backend_tasks)), backend_tasks)
+        check_backend_run(fresh_env(*backend_overrides([], backend_tasks)), backend_tasks)
 
     def test_nothing_left_out(self, env):
         covered = {"plugin_config_schema", "advantage", *REGISTRATION_HOOKS.values(), "log_metrics",
