@@ -98,6 +98,20 @@ LEARNING = ("val/reward/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl",
 """The metrics that say two runs learned alike."""
 
 
+def assert_learns_as_the_default_recipe(name: str, tmp_path, monkeypatch) -> None:
+    """A short run of recipe ``name`` logs the learning metrics of the same run of ``recipe.yaml``, number for number.
+
+    An agent on another API makes the chat calls the plain-openai agent
+    makes, with the same call seeds (by place in the run): the same token ids.
+    """
+    pytest.importorskip("agl_plugin_torch")
+    default = run_recipe("recipe.yaml", tmp_path / "default", monkeypatch)
+    translated = run_recipe(name, tmp_path / "translated", monkeypatch)
+    assert [[record.get(key) for key in LEARNING] for record in translated] == \
+        [[record.get(key) for key in LEARNING] for record in default]
+    assert translated[-1]["rollout/n_succeeded"] == 28 and translated[-1]["training/n_calls_error"] == 0
+
+
 def run_recipe(name: str, run_dir, monkeypatch) -> list[dict]:
     """A short run of ``examples/guess_number/<name>`` (1 step, groups of 4): its metrics records."""
     from agl_core.cli import main
