@@ -22,26 +22,34 @@ samples of its task) when any of its rollouts is missing (an in-memory store
 after a kill), unfinished or failed: no task of a carried-over batch is lost,
 no rollout is trained twice in the run's lineage of weights.
 
-The rollout plane is the local runner's (store, gateway, agent workers in
-the trainer's process): asynchronous training needs its gateway to pause
-around weight syncs.
+The rollout plane is whichever fills ``collect_rollouts`` (:func:`plane_of`):
+the local runner (store, gateway and agent threads in the trainer's process;
+its gateway pauses around a sync), or runners elsewhere through a store and a
+gateway service (``remote_runners``, agl-plugin-ray): the sync then tells the
+gateway service the new version without pausing it, and each span takes the
+version the policy server reports in its answer (the embedded backend reports
+the version of the weights that made every answer).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ContextManager
 
-from agl_core.builtin import local_runner
+from agl_core.builtin import local_runner, remote_runners
 from agl_core.config import AsyncConfig
 from agl_core.context import TrainContext
 from agl_core.data import Rollout, Task
+from agl_core.gateway.service import set_policy
+from agl_core.gateway.weight_sync import Drained
 from agl_core.plugins import PluginError
 from agl_core.runner import enqueue_samples, rollout_metrics, wait_all
 from agl_core.staleness import within_bound
-from agl_core.store import SUCCEEDED, TERMINAL
+from agl_core.store import SUCCEEDED, TERMINAL, Store
 from agl_core.tasks import TaskSampler
 
 log = logging.getLogger("agl_core.async")
@@ -52,6 +60,58 @@ weights of update ``version``. A backend that supports asynchronous training set
 
 STATE_KEY = "async"
 """Key of :meth:`AsyncRollouts.state_dict` in the core's checkpoint state."""
+
+
+@dataclass
+class Plane:
+    """What the pipeline needs of the run's rollout plane.
+
+    ``set_version(v)``: the gateway records ``v`` on calls whose policy server
+    reports no version. ``paused(timeout)``: the gateway holds new calls and
+    drains those in flight for the block (None: a gateway service, not paused).
+    """
+
+    store: Store
+    set_version: Callable[[int], None]
+    paused: Callable[[float], ContextManager[Drained]] | None
+    max_attempts: int
+    agent_name: str | None = None
+
+
+def plane_of(ctx: TrainContext) -> Plane:
+    """The rollout plane of the plugin that fills ``collect_rollouts``; PluginError when it has none to offer.
+
+    Supported: ``local_runner``; ``remote_runners``; and a plugin whose
+    ``ctx.state[<its name>]`` holds ``store``, ``gateway_url`` and
+    ``gateway_token`` (agl-plugin-ray's runtime): runners elsewhere leasing from
+    that store and calling that gateway service.
+    """
+    owner = ctx.slots.get("collect_rollouts", (None, None))[0]
+    if owner == local_runner.NAME:
+        rt = local_runner.runtime(ctx)
+        rt.gateway.upstreams.set(local_runner.policy_urls(ctx))
+
+        def set_local(version: int) -> None:
+            rt.gateway.weight_version = version
+
+        return Plane(rt.store, set_local, rt.gateway.calls.paused, rt.runner.max_attempts, rt.runner.agent_name)
+    if owner == remote_runners.NAME:
+        cfg = ctx.plugin_config(owner)
+        store, url, token = ctx.state[owner], cfg.gateway_url, remote_runners.gateway_token(cfg)
+    elif all(hasattr(ctx.state.get(owner), key) for key in ("store", "gateway_url", "gateway_token")):
+        held = ctx.state[owner]
+        store, url, token = held.store, held.gateway_url, held.gateway_token
+    else:
+        raise PluginError(f"trainer.async.max_staleness={ctx.config.trainer.async_.max_staleness} needs a rollout "
+                          f"plane the trainer can queue the next steps' rollouts in (local_runner, remote_runners, "
+                          f"agl-plugin-ray), but collect_rollouts is filled by plugin {owner!r}; set "
+                          f"trainer.async.max_staleness=0 to train synchronously")
+
+    def set_remote(version: int) -> None:
+        set_policy(url, urls=local_runner.policy_urls(ctx), weight_version=version,
+                   sampling=local_runner.gateway_sampling(ctx), seed=local_runner.gateway_seed(ctx), token=token)
+
+    return Plane(store, set_remote, None, ctx.config.rollout.max_attempts)
 
 
 @dataclass
@@ -80,6 +140,7 @@ class AsyncRollouts:
         self._resumed: list[dict[str, Any]] = []  # batches of a checkpoint, checked against the store at start
         self._requeued_groups = 0  # reported with the next step taken
         self._runner_idle_s = 0.0  # likewise
+        self.plane: Plane | None = None  # at start
 
     @property
     def max_staleness(self) -> int:
@@ -93,19 +154,13 @@ class AsyncRollouts:
         Called after ``on_train_start``, when the backend and the rollout plane are up.
         """
         ctx = self.ctx
-        owner = ctx.slots.get("collect_rollouts", (None, None))[0]
-        if owner != local_runner.NAME:
-            raise PluginError(f"trainer.async.max_staleness={self.max_staleness} needs the local runner's rollout "
-                              f"plane (its gateway pauses around weight syncs), but collect_rollouts is filled by "
-                              f"plugin {owner!r}; set trainer.async.max_staleness=0 to train synchronously")
+        self.plane = plane_of(ctx)
         if WEIGHT_SYNC not in ctx.state:
             backend = ctx.slots.get("update_actor", (None, None))[0]
             raise PluginError(f"trainer.async.max_staleness={self.max_staleness}: the backend (plugin {backend!r}, "
                               f"which fills update_actor) cannot serve one version of the weights while it trains "
                               f"the next (it put no ctx.state[{WEIGHT_SYNC!r}]); set trainer.async.max_staleness=0")
-        rt = local_runner.runtime(ctx)
-        rt.gateway.upstreams.set(local_runner.policy_urls(ctx))
-        rt.gateway.weight_version = ctx.step  # the updates the served weights have had
+        self.plane.set_version(ctx.step)  # the updates the served weights have had
         for batch in self._resumed:
             self._restore(batch)
         self._resumed = []
@@ -129,14 +184,14 @@ class AsyncRollouts:
         waited (``async/backend_idle_s``) and the seconds the runners had no
         work of this run before it was queued (``async/runner_idle_s``).
         """
-        ctx, rt = self.ctx, local_runner.runtime(self.ctx)
+        ctx, store = self.ctx, self.plane.store
         batch = self.pending.pop(step)
         ids = [rollout_id for group in batch.groups for rollout_id in group.rollout_ids]
         start = time.monotonic()
-        wait_all(rt.store, ids)
+        wait_all(store, ids)
         waited = time.monotonic() - start
-        rollouts = rt.store.get_rollouts(ids)
-        rt.store.release(ids)
+        rollouts = store.get_rollouts(ids)
+        store.release(ids)
         by_id = {r.rollout_id: r for r in rollouts}
         groups = [[by_id[i] for i in group.rollout_ids if i in by_id] for group in batch.groups]
         taken = within_bound(groups, step, self.max_staleness)
@@ -159,31 +214,38 @@ class AsyncRollouts:
         The gateway holds new calls and drains those in flight (up to
         ``trainer.async.drain_timeout_s``), the backend swaps, the gateway
         resumes: no call fails, and each call is recorded with the version
-        that served it.
+        that served it. A gateway service is not paused (see the module's
+        docstring).
         """
-        rt, sync = local_runner.runtime(self.ctx), self.ctx.state[WEIGHT_SYNC]
+        plane, sync = self.plane, self.ctx.state[WEIGHT_SYNC]
         start = time.monotonic()
-        with rt.gateway.calls.paused(self.config.drain_timeout_s) as drained:
+        pause = plane.paused(self.config.drain_timeout_s) if plane.paused else contextlib.nullcontext()
+        with pause as drained:
             sync(version)
-            rt.gateway.weight_version = version
-        return {"async/weight_sync_s": time.monotonic() - start, "async/weight_sync_drain_s": drained.wait_s,
-                "async/weight_sync_undrained": float(drained.still_in_flight)}
+            plane.set_version(version)
+        metrics = {"async/weight_sync_s": time.monotonic() - start}
+        if drained is not None:
+            metrics.update({"async/weight_sync_drain_s": drained.wait_s,
+                            "async/weight_sync_undrained": float(drained.still_in_flight)})
+        return metrics
 
     # ------------------------------------------------------------ queueing
 
     def _enqueue(self, step: int, tasks: list[Task]) -> list[Group]:
-        """Queue ``rollout.n`` rollouts of each task for ``step``, as the local runner would for that step."""
-        ctx, rt = self.ctx, local_runner.runtime(self.ctx)
+        """Queue ``rollout.n`` rollouts of each task for ``step``, as the runners' plugin would for that step."""
+        ctx, plane = self.ctx, self.plane
         self._runner_idle_s += self._runners_idle_for()
         n = ctx.config.rollout.n
-        metadata = {"agent_name": rt.runner.agent_name, "mode": "train", "step": step, "run_id": ctx.run_id}
-        ids = enqueue_samples(rt.store, tasks, n, metadata=metadata, id_prefix=f"train-{step}",
-                              max_attempts=rt.runner.max_attempts)
+        metadata = {"mode": "train", "step": step, "run_id": ctx.run_id}
+        if plane.agent_name is not None:
+            metadata = {"agent_name": plane.agent_name, **metadata}
+        ids = enqueue_samples(plane.store, tasks, n, metadata=metadata, id_prefix=f"train-{step}",
+                              max_attempts=plane.max_attempts)
         return [Group(task, ids[i * n:(i + 1) * n]) for i, task in enumerate(tasks)]
 
     def _runners_idle_for(self) -> float:
         """Seconds since the last queued rollout of this run ended, when all have (the runners had nothing to do)."""
-        store = local_runner.runtime(self.ctx).store
+        store = self.plane.store
         ids = [i for batch in self.pending.values() for group in batch.groups for i in group.rollout_ids]
         if not ids or len(store.wait(ids, timeout_s=0)) < len(ids):
             return 0.0
@@ -205,7 +267,7 @@ class AsyncRollouts:
         self._resumed = list(state["batches"])
 
     def _restore(self, batch: dict[str, Any]) -> None:
-        store = local_runner.runtime(self.ctx).store
+        store = self.plane.store
         groups, requeued = [], 0
         for saved in batch["groups"]:
             group = Group(Task.model_validate(saved["task"]), list(saved["rollout_ids"]))

@@ -45,5 +45,5 @@ def test_k0_reproduces_the_synchronous_quickstart_bit_for_bit(tmp_path):
 
 
 def test_async_with_a_backend_that_collects_its_own_rollouts_is_refused_at_start(tmp_path):
-    with pytest.raises(PluginError, match=r"max_staleness=1 needs the local runner.*plugin 'instant'"):
+    with pytest.raises(PluginError, match=r"max_staleness=1 needs a rollout plane.*plugin 'instant'"):
         train(tmp_path / "run", "trainer.async.max_staleness=1", "trainer.total_steps=2")
