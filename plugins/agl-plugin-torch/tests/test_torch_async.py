@@ -141,3 +141,52 @@ def test_k0_builds_no_pipeline_and_an_async_checkpoint_does_not_resume_synchrono
                            "trainer.overwrite=true"], extra=[("stop", StopAt(2))])
     with pytest.raises(ValueError, match="max_staleness >= 1"):
         run(path, ["trainer.total_steps=3", "trainer.resume=auto"])
+
+
+def test_an_async_run_killed_after_a_checkpoint_resumes_its_carried_over_batch(tmp_path):
+    """kill -9 of a training process (SQLite store) right after its step-2 checkpoint; a new process resumes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sections = {"rollout": {"n": N, "store": "sqlite"},
+                "plugins": {"torch": tiny_section(), "traces": {"aggregator": "trajectory"},
+                            "sqlite": {"path": str(tmp_path / "rollouts.sqlite")}}}
+    path = recipe_file(tmp_path, **sections)
+    common = ASYNC + ["trainer.total_steps=5", "trainer.save_freq=2"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    tasks = tmp_path / "train.jsonl"  # the tasks the in-process runs get, for the process
+    tasks.write_text("".join(task.model_dump_json() + "\n" for task in TASKS))
+    proc = subprocess.Popen([sys.executable, "-m", "agl_core.cli", "train", path, *common,
+                             f"data.train_files=[{tasks}]", "trainer.progress=false"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=open(tmp_path / "killed.log", "w"))  # noqa: SIM115
+    checkpoint = tmp_path / "run" / "checkpoints" / "global_step_2"
+    deadline = time.monotonic() + 240
+    while not checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    assert checkpoint.exists(), (tmp_path / "killed.log").read_text()[-3000:]
+    carried = torch.load(checkpoint / "core_state.pt", weights_only=False)["async"]["batches"]
+    assert [batch["step"] for batch in carried] == [3]
+
+    resumed, recorder = run(path, common + ["trainer.resume=auto"])
+    steps = trained(recorder, first_step=3)
+    assert sorted(steps) == [3, 4, 5] and resumed.ctx.step == 5
+    ids = [r.rollout_id for rollouts in steps.values() for r in rollouts]
+    assert len(ids) == len(set(ids)) == 3 * len(TASKS[:2]) * N  # no rollout twice, no task of a batch lost
+    for step, rollouts in steps.items():
+        assert set(collections.Counter(r.task_id for r in rollouts).values()) == {N}
+        assert {r.metadata["step"] for r in rollouts} == {step}
+    # Step 3 trained the carried-over groups: those SQLite kept (finished before the kill) by their ids, the
+    # others as new samples of the same tasks.
+    carried_ids = {i for group in carried[0]["groups"] for i in group["rollout_ids"]}
+    carried_tasks = sorted(group["task"]["id"] for group in carried[0]["groups"])
+    assert sorted({r.task_id for r in steps[3]}) == carried_tasks
+    requeued = logged(tmp_path / "run")[3].get("async/n_groups_requeued", 0)
+    kept = {r.rollout_id for r in steps[3]} & carried_ids
+    assert len(kept) == (len(carried[0]["groups"]) - requeued) * N
