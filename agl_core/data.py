@@ -12,13 +12,20 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Iterable, Sequence
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import numpy as np
-import torch
 from pydantic import BaseModel, ConfigDict, Field, GetPydanticSchema, model_validator
 from pydantic_core import core_schema
-from tensordict import TensorDict
+
+from agl_core.lazy_import import LazyModule
+
+if TYPE_CHECKING:
+    import torch
+    from tensordict import TensorDict
+else:  # imported on first use: the records need neither, and every plugin imports them
+    torch = LazyModule("torch", globals())
+    tensordict = LazyModule("tensordict", globals())
 
 __all__ = ["Batch", "LogProbs", "Rollout", "Span", "Task", "TokenIds", "Triplet"]
 
@@ -272,7 +279,7 @@ def _tensordict(columns: dict[str, torch.Tensor], n: int, device: torch.device |
     # The columns are validated by the caller; _new_unsafe skips TensorDict's
     # per-key re-validation (about 18 us -> 1 us for 12 columns), which matters
     # because the loop derives several batches per step.
-    return TensorDict._new_unsafe(columns, batch_size=torch.Size([n]), device=device)
+    return tensordict.TensorDict._new_unsafe(columns, batch_size=torch.Size([n]), device=device)
 
 
 def _as_column_array(name: str, value: Any) -> np.ndarray:
@@ -377,7 +384,7 @@ class Batch:
     ) -> None:
         device = None
         n = 0
-        if isinstance(tensors, TensorDict):
+        if isinstance(tensors, tensordict.TensorDict):
             device = tensors.device
             n = tensors.batch_size[0] if len(tensors.batch_size) else 0
         columns = dict(tensors.items()) if tensors is not None else {}

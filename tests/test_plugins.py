@@ -206,3 +206,31 @@ def test_cli_lists_plugins_even_with_a_broken_one(plugin_distribution):
     table = subprocess.run([sys.executable, "-m", "agl_core.cli", "plugins"], env=env,
                            capture_output=True, text=True, check=True).stdout
     assert "broken" in table and "failed" in table
+
+
+OWN_DISTRIBUTIONS = {"agl-core", "agl-plugin-instant", "agl-plugin-lora", "agl-plugin-ray", "agl-plugin-sqlite",
+                     "agl-plugin-torch", "agl-plugin-traces", "agl-plugin-verl"}
+
+
+def test_importing_the_plugins_of_this_repository_imports_no_heavy_module():
+    """`agl plugins` imports every plugin: torch, transformers, verl, ray, … wait until a hook needs them.
+
+    One fresh interpreter imports each plugin of agl-core and plugins/ in turn
+    and notes the heavy modules each one pulled in first (other installed
+    distributions are left out: they are not this repository's to keep light).
+    """
+    probe = f"""
+import json, sys
+from agl_core.plugins import discover, distribution_of
+heavy = ("torch", "tensordict", "transformers", "verl", "ray", "peft")
+pulled = {{}}
+for ep in discover():
+    if distribution_of(ep)[0] not in {sorted(OWN_DISTRIBUTIONS)!r}:
+        continue
+    before = {{m for m in heavy if m in sys.modules}}
+    ep.load()
+    pulled.update({{m: ep.name for m in heavy if m in sys.modules and m not in before}})
+print(json.dumps(pulled))
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == {}

@@ -7,11 +7,13 @@ estimator signature ``fn(batch, config) -> (advantages, returns)``.
 from __future__ import annotations
 
 from agl_core import HOOK_API_VERSION, hookimpl
-from agl_core.algorithms import advantages as A
-from agl_core.algorithms.losses import ppo_clip_loss
 from agl_core.components import checked_estimator_result
+from agl_core.lazy_import import LazyModule
 
 AGL_HOOK_API = HOOK_API_VERSION
+# The math imports torch: imported when an estimator or the loss first runs, not with the plugin.
+A = LazyModule("agl_core.algorithms.advantages", globals(), "A")
+losses = LazyModule("agl_core.algorithms.losses", globals())
 
 
 def _gae(batch, config):
@@ -65,7 +67,7 @@ def vanilla_policy_loss(old_log_prob, log_prob, advantages, response_mask, confi
 
     ``rollout_is_weights`` (per token) are the off-policy correction's, when ``algorithm.rollout_correction`` is on.
     """
-    return ppo_clip_loss(
+    return losses.ppo_clip_loss(
         old_log_prob, log_prob, advantages, response_mask,
         clip_ratio=config.clip_ratio, clip_ratio_low=config.clip_ratio_low,
         clip_ratio_high=config.clip_ratio_high, clip_ratio_c=config.clip_ratio_c,

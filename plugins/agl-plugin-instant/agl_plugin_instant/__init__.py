@@ -18,14 +18,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from agl_core import HOOK_API_VERSION, hookimpl
-from agl_core.algorithms.losses import agg_loss, entropy_from_logits, kl_penalty, value_loss
 from agl_core.data import Batch, Rollout, Triplet
+from agl_core.lazy_import import LazyModule
+
+if TYPE_CHECKING:
+    import torch
+    from agl_core.algorithms import losses
+else:  # imported when a hook first computes: importing the plugin (`agl plugins`) stays cheap
+    torch = LazyModule("torch", globals())
+    losses = LazyModule("agl_core.algorithms.losses", globals())
 
 NAME = "instant"
 
@@ -174,7 +181,7 @@ class InstantBackend:
         mask = batch["response_mask"].float()
         with torch.no_grad():
             batch["old_log_probs"] = response_logprobs(state.logits, batch["responses"], mask)
-            batch["entropys"] = entropy_from_logits(state.logits).expand_as(mask) * mask
+            batch["entropys"] = losses.entropy_from_logits(state.logits).expand_as(mask) * mask
         return batch
 
     @hookimpl
@@ -197,7 +204,7 @@ class InstantBackend:
         state.record("update_critic", batch)
         mask = batch["response_mask"].float()
         vpreds = state.value.expand(mask.shape) * mask
-        loss, clipfrac = value_loss(vpreds, batch["returns"], batch["values"], mask, cfg.cliprange_value,
+        loss, clipfrac = losses.value_loss(vpreds, batch["returns"], batch["values"], mask, cfg.cliprange_value,
                                     ctx.config.algorithm.policy_loss.loss_agg_mode)
         state.critic_optim.zero_grad()
         loss.backward()
@@ -218,12 +225,12 @@ class InstantBackend:
                 loss, metrics = policy_loss(mini["old_log_probs"], log_prob, mini["advantages"], mask, loss_cfg)
                 metrics = {"actor/pg_loss": loss.item(), **{f"actor/{k}": float(v) for k, v in metrics.items()}}
                 if loss_cfg.entropy_coeff:
-                    entropy = agg_loss(entropy_from_logits(state.logits).expand_as(mask) * mask, mask,
-                                       loss_cfg.loss_agg_mode)
+                    entropy = losses.agg_loss(losses.entropy_from_logits(state.logits).expand_as(mask) * mask, mask,
+                                              loss_cfg.loss_agg_mode)
                     loss = loss - loss_cfg.entropy_coeff * entropy
                 if loss_cfg.use_kl_loss:
-                    kl = agg_loss(kl_penalty(log_prob, mini["ref_log_prob"], loss_cfg.kl_loss_type), mask,
-                                  loss_cfg.loss_agg_mode)
+                    kl = losses.agg_loss(losses.kl_penalty(log_prob, mini["ref_log_prob"], loss_cfg.kl_loss_type),
+                                         mask, loss_cfg.loss_agg_mode)
                     loss = loss + loss_cfg.kl_loss_coef * kl
                     metrics["actor/kl_loss"] = kl.item()
                 state.actor_optim.zero_grad()

@@ -20,15 +20,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agl_core import HOOK_API_VERSION, hookimpl
+from agl_core.lazy_import import LazyModule
 from agl_core.plugins import PluginError
 
-from agl_plugin_lora import embedded, export, verl_backend
-from agl_plugin_lora.adapter import has_adapter
 from agl_plugin_lora.settings import LoraSettings
 from agl_plugin_lora.startup import NAME
 
 if TYPE_CHECKING:
+    from agl_plugin_lora import adapter as lora_adapter
+    from agl_plugin_lora import embedded, export, verl_backend
     from agl_plugin_torch.backend import Backend
+else:  # torch, transformers and peft: imported when a hook first needs them, not with the plugin (`agl plugins`)
+    lora_adapter = LazyModule("agl_plugin_lora.adapter", globals(), "lora_adapter")
+    embedded = LazyModule("agl_plugin_lora.embedded", globals())
+    export = LazyModule("agl_plugin_lora.export", globals())
+    verl_backend = LazyModule("agl_plugin_lora.verl_backend", globals())
 
 TORCH, VERL = "torch", "verl"
 BACKENDS = (TORCH, VERL)
@@ -59,7 +65,7 @@ def adapted_backend(ctx) -> Backend:
     from agl_plugin_torch.plugin import backend_of
 
     backend = backend_of(ctx)
-    if not has_adapter(backend.actor):
+    if not lora_adapter.has_adapter(backend.actor):
         raise PluginError(f"plugin {NAME!r} is active but the actor of plugin {TORCH!r} has no LoRA adapter: "
                           f"that agl-plugin-torch does not apply the actor_transform components of other plugins")
     return backend

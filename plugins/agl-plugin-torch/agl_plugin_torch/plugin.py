@@ -10,15 +10,23 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agl_core import HOOK_API_VERSION, hookimpl
 from agl_core.async_rollouts import WEIGHT_SYNC
 from agl_core.http_rules import POLICY_TOKEN_ENV, policy_token
+from agl_core.lazy_import import LazyModule
 from agl_core.plugins import PluginError
 
-from agl_plugin_torch import training
-from agl_plugin_torch.backend import NAME, ActorTransform, Backend, create, export_actor, on_device
 from agl_plugin_torch.settings import TorchConfig
+
+if TYPE_CHECKING:
+    from agl_plugin_torch import backend as torch_backend
+    from agl_plugin_torch import training
+    from agl_plugin_torch.backend import ActorTransform, Backend
+else:  # torch and transformers: imported when a hook first runs, so importing the plugin (`agl plugins`) stays cheap
+    torch_backend = LazyModule("agl_plugin_torch.backend", globals(), "torch_backend")
+    training = LazyModule("agl_plugin_torch.training", globals())
 
 log = logging.getLogger("agl_plugin_torch")
 
@@ -51,12 +59,13 @@ def backend_of(ctx) -> Backend:
     The actor transforms other plugins registered are applied when it is made,
     so they never depend on the order in which plugins' hooks run.
     """
-    if NAME not in ctx.state:
+    name = torch_backend.NAME
+    if name not in ctx.state:
         estimator = ctx.components.get("estimator", ctx.config.algorithm.estimator)
-        ctx.state[NAME] = create(ctx.plugin_config(NAME), ctx.run_dir, ctx.config.trainer.seed,
-                                 with_critic=estimator.options.get("needs_critic", False),
-                                 transforms=actor_transforms(ctx))
-    return ctx.state[NAME]
+        ctx.state[name] = torch_backend.create(ctx.plugin_config(name), ctx.run_dir, ctx.config.trainer.seed,
+                                               with_critic=estimator.options.get("needs_critic", False),
+                                               transforms=actor_transforms(ctx))
+    return ctx.state[name]
 
 
 class TorchBackend:
@@ -91,7 +100,7 @@ class TorchBackend:
 
     @hookimpl
     def on_train_end(self, ctx):
-        backend = ctx.state.get(NAME)
+        backend = ctx.state.get(torch_backend.NAME)
         if backend is not None:
             backend.stop_serving()
 
@@ -132,7 +141,7 @@ class TorchBackend:
         keys = ROW_INPUTS + ["old_log_probs", "advantages"] + (["ref_log_prob"] if algorithm.policy_loss.use_kl_loss
                                                                 else [])
         keys += ["rollout_is_weights"] if "rollout_is_weights" in batch else []
-        rows = on_device(batch, keys, backend.actor.device)
+        rows = torch_backend.on_device(batch, keys, backend.actor.device)
         with backend.lock:
             metrics = training.update_actor(backend.actor, backend.actor_optim, backend.actor_sched, rows,
                                             algorithm, policy_loss, backend.config.actor)
@@ -142,7 +151,7 @@ class TorchBackend:
     @hookimpl
     def update_critic(self, ctx, batch):
         backend = backend_of(ctx)
-        rows = on_device(batch, ROW_INPUTS + ["values", "returns"], backend.actor.device)
+        rows = torch_backend.on_device(batch, ROW_INPUTS + ["values", "returns"], backend.actor.device)
         return training.update_critic(backend.critic, backend.critic_optim, backend.critic_sched, rows,
                                       ctx.config.algorithm, backend.config.critic)
 
@@ -159,7 +168,7 @@ class TorchBackend:
     @hookimpl
     def export_model(self, path, out):
         """A fully fine-tuned actor is a plain Hugging Face model: its directory is copied (merged or not)."""
-        exported = export_actor(Path(path), Path(out))
+        exported = torch_backend.export_actor(Path(path), Path(out))
         return None if exported is None else str(exported)
 
 

@@ -13,9 +13,17 @@ Modules, one idea each:
 ``plugin``      the hooks (the entry point ``traces``)
 """
 
-from agl_plugin_traces.calls import Call, rollout_calls, to_triplets
-from agl_plugin_traces.trajectory import trajectory_batch
-from agl_plugin_traces.transition import transition_batch
+import importlib
 
 __version__ = "0.1.0"
 __all__ = ["Call", "rollout_calls", "to_triplets", "trajectory_batch", "transition_batch"]
+_HOME = {"Call": "calls", "rollout_calls": "calls", "to_triplets": "calls", "trajectory_batch": "trajectory",
+         "transition_batch": "transition"}
+
+
+def __getattr__(name: str):
+    # Imported on first use: the entry point (agl_plugin_traces.plugin) imports this package, and the
+    # aggregators import torch, which `agl plugins` must not pay for.
+    if name in _HOME:
+        return getattr(importlib.import_module(f"agl_plugin_traces.{_HOME[name]}"), name)
+    raise AttributeError(f"module 'agl_plugin_traces' has no attribute {name!r}")

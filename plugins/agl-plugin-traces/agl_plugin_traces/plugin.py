@@ -13,18 +13,20 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from agl_core import HOOK_API_VERSION, hookimpl
-from agl_core.data import Batch, Rollout
 
-from agl_plugin_traces.advantage import ROLLOUT_ESTIMATORS
-from agl_plugin_traces.filters import cap_rows_per_rollout, drop_zero_variance_groups
 from agl_plugin_traces.mismatch import Tokenizer, write_breaks
 from agl_plugin_traces.settings import TracesConfig
-from agl_plugin_traces.trajectory import trajectory_batch
-from agl_plugin_traces.transition import transition_batch
+
+if TYPE_CHECKING:
+    from agl_core.data import Batch, Rollout
+
+# The aggregators, filters and estimators (torch) are imported in the hooks that use them, so that
+# importing the plugin (`agl plugins`) stays cheap.
 
 AGL_HOOK_API = HOOK_API_VERSION
 AGL_ORDER = 5  # the aggregator must be the first post_process_batch stage (a backend's own is at 10)
@@ -50,6 +52,8 @@ def tokenizer_of(ctx) -> Tokenizer | None:
 
 def aggregate_transition(ctx, rollouts: list[Rollout]) -> Batch:
     """The ``transition`` aggregator with the run's limits (``data.max_*_length``) and settings."""
+    from agl_plugin_traces.transition import transition_batch
+
     cfg = settings_of(ctx)
     batch, metrics = transition_batch(
         rollouts, ctx.config.data.max_prompt_length, ctx.config.data.max_response_length,
@@ -60,6 +64,8 @@ def aggregate_transition(ctx, rollouts: list[Rollout]) -> Batch:
 
 def aggregate_trajectory(ctx, rollouts: list[Rollout]) -> Batch:
     """The ``trajectory`` aggregator with the run's limits and settings; writes the mismatch log if asked."""
+    from agl_plugin_traces.trajectory import trajectory_batch
+
     cfg, data = settings_of(ctx), ctx.config.data
     batch, metrics, breaks = trajectory_batch(
         rollouts, cfg.trajectory_max_prompt_length or data.max_prompt_length,
@@ -88,6 +94,8 @@ def register_aggregators(register):
 
 @hookimpl
 def register_estimators(register):
+    from agl_plugin_traces.advantage import ROLLOUT_ESTIMATORS
+
     for name, estimator in ROLLOUT_ESTIMATORS.items():
         register(name, estimator)
 
@@ -101,6 +109,8 @@ def on_train_start(ctx):
 @hookimpl
 def post_process_batch(ctx, batch):
     """Rollouts → rows (when no earlier stage made rows), then the filters the recipe switches on."""
+    from agl_plugin_traces.filters import cap_rows_per_rollout, drop_zero_variance_groups
+
     cfg = settings_of(ctx)
     if "rollouts" in batch.meta and "input_ids" not in batch:
         aggregate = ctx.components.get("aggregator", cfg.aggregator).obj

@@ -14,17 +14,22 @@ import inspect
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from agl_core import HOOK_API_VERSION, hookimpl
 from agl_core.config import ConfigError
+from agl_core.lazy_import import LazyModule
 from agl_core.plugins import PluginError
 
-from agl_plugin_verl import calls
 from agl_plugin_verl.compat import is_verl_0_7, verl_version
 from agl_plugin_verl.config import LORA, VerlSection, build_verl_config
+
+if TYPE_CHECKING:
+    import torch
+
+    from agl_plugin_verl import calls
+else:  # imports torch: loaded when a compute slot first runs, so importing the plugin (`agl plugins`) stays cheap
+    calls = LazyModule("agl_plugin_verl.calls", globals())
 
 AGL_HOOK_API = HOOK_API_VERSION
 NAME = "verl"
