@@ -118,3 +118,13 @@ def test_ray_this_plugin_started_is_stopped_even_after_a_failed_start(monkeypatc
     plugin.on_train_end(ctx)
     plugin.on_train_end(ctx)
     assert stopped == [True]
+
+
+def test_asynchronous_training_is_refused_at_start_naming_what_verl_lacks_here():
+    from types import SimpleNamespace
+
+    ctx = SimpleNamespace(config=validate_recipe({"trainer": {"async": {"max_staleness": 1}}}))
+    with pytest.raises(PluginError, match=r"max_staleness=1: the verl plugin cannot train asynchronously.*"
+                                          r"one_step_off_policy.*separate rollout and trainer resource pools"):
+        plugin.on_train_start(ctx)
+    plugin.refuse_async(SimpleNamespace(config=validate_recipe({})))  # k=0: nothing to refuse
