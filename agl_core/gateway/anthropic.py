@@ -239,7 +239,7 @@ class MessageEvents:
             if delta.get("content"):
                 if self._open != ("text", None):
                     frames += self._open_block(("text", None), {"type": "text", "text": ""})
-                frames.append(self._delta({"type": "text_delta", "text": delta["content"]}))
+                frames.append(self._delta("text_delta", "text", delta["content"]))
             for call in delta.get("tool_calls") or ():
                 key = ("tool", call.get("index", 0))
                 function = call.get("function") or {}
@@ -247,7 +247,7 @@ class MessageEvents:
                     frames += self._open_block(key, {"type": "tool_use", "id": call.get("id") or new_id("toolu_"),
                                                      "name": function.get("name"), "input": {}})
                 if function.get("arguments"):
-                    frames.append(self._delta({"type": "input_json_delta", "partial_json": function["arguments"]}))
+                    frames.append(self._delta("input_json_delta", "partial_json", function["arguments"]))
         return frames
 
     def end(self, answer: dict[str, Any] | None, error: str | None) -> list[bytes]:
@@ -287,6 +287,7 @@ class MessageEvents:
         self._blocks += 1
         return [server_sent_event("content_block_stop", {"type": "content_block_stop", "index": self._blocks - 1})]
 
-    def _delta(self, delta: dict[str, Any]) -> bytes:
-        return server_sent_event("content_block_delta", {"type": "content_block_delta", "index": self._blocks,
-                                                         "delta": delta})
+    def _delta(self, kind: str, field: str, piece: str) -> bytes:
+        # One event per token: its frame is written out rather than built as a dict and dumped (the hot path).
+        return (f'event: content_block_delta\ndata: {{"type":"content_block_delta","index":{self._blocks},'
+                f'"delta":{{"type":"{kind}","{field}":{json.dumps(piece)}}}}}\n\n').encode()

@@ -40,6 +40,7 @@ Agents SDK raises ``ModelBehaviorError`` on it). Errors have OpenAI's shape.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -329,8 +330,8 @@ class ResponseEvents:
                     frames.append(self._event("response.content_part.added", **self._at(), part={
                         "type": "output_text", "text": "", "annotations": [], "logprobs": []}))
                 self._pieces[-1].append(delta["content"])
-                frames.append(self._event("response.output_text.delta", **self._at(), delta=delta["content"],
-                                          logprobs=[]))
+                frames.append(self._delta("response.output_text.delta", ',"content_index":0,"logprobs":[]',
+                                          delta["content"]))
             for call in delta.get("tool_calls") or ():
                 key = ("call", call.get("index", 0))
                 function = call.get("function") or {}
@@ -340,10 +341,8 @@ class ResponseEvents:
                         "type": "function_call", "id": new_id("fc_"), "call_id": call.get("id") or new_id("call_"),
                         "name": function.get("name"), "arguments": "", "status": "in_progress"})
                 if function.get("arguments"):
-                    item = self._items[-1]
                     self._pieces[-1].append(function["arguments"])
-                    frames.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                              output_index=len(self._items) - 1, delta=function["arguments"]))
+                    frames.append(self._delta("response.function_call_arguments.delta", "", function["arguments"]))
         return frames
 
     def end(self, answer: dict[str, Any] | None, error: str | None) -> list[bytes]:
@@ -369,6 +368,13 @@ class ResponseEvents:
     def _event(self, kind: str, **fields: Any) -> bytes:
         self._sequence += 1
         return server_sent_event(kind, {"type": kind, "sequence_number": self._sequence - 1, **fields})
+
+    def _delta(self, kind: str, fields: str, piece: str) -> bytes:
+        """A delta event of the last item (``fields``: its other fields as JSON text), written out: one per token."""
+        self._sequence += 1
+        return (f'event: {kind}\ndata: {{"type":"{kind}","sequence_number":{self._sequence - 1},'
+                f'"item_id":"{self._items[-1]["id"]}","output_index":{len(self._items) - 1}{fields},'
+                f'"delta":{json.dumps(piece)}}}\n\n').encode()
 
     def _at(self) -> dict[str, Any]:
         return {"item_id": self._items[-1]["id"], "output_index": len(self._items) - 1, "content_index": 0}
