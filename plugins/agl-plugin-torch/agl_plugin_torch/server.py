@@ -63,8 +63,8 @@ from agl_core.http_server import ServerThread
 from agl_plugin_torch.engine import Engine, Generated
 from agl_plugin_torch.sampling import SamplingParams
 from agl_plugin_torch.settings import ServingConfig
-from agl_plugin_torch.tools import (forced_function, forced_opening, offered_tools, parse_tool_calls,
-                                    template_messages, tool_format)
+from agl_plugin_torch.tools import (forced_function, forced_opening, offered_tools, parse_forced_call,
+                                    parse_tool_calls, template_messages, tool_format)
 
 log = logging.getLogger("agl_plugin_torch")
 
@@ -274,7 +274,9 @@ class PolicyServer:
             message: dict[str, Any] = {"role": "assistant", "content": sample.text}
             finish_reason = sample.finish_reason
             if tools:
-                message["content"], calls = parse_tool_calls(opening + sample.text, tools)
+                message["content"], calls = (
+                    parse_forced_call(opening, sample.text, tool_format(self.tokenizer.chat_template), tools)
+                    if opening else parse_tool_calls(sample.text, tools))
                 if calls:
                     message["tool_calls"], finish_reason = calls, "tool_calls"
             choices.append({"index": index, "message": message, "finish_reason": finish_reason,

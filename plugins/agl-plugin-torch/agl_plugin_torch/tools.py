@@ -21,7 +21,10 @@ from the template (``<tool_call>`` in it: Hermes). A ``tool_choice`` naming a
 function (or ``"required"`` with one tool) is honored the way a prefix is:
 :func:`forced_opening` is the start of that call, appended to the prompt, and
 the model writes the rest (its arguments); the call's text is the opening
-plus what the model wrote.
+plus what the model wrote, closed by the format's closing brackets when the
+model stopped before writing them (:func:`parse_forced_call`). The model
+chooses the values; the syntax around them is the backend's, as a server
+with guided decoding (vLLM) guarantees a forced call's syntax.
 """
 
 from __future__ import annotations
@@ -112,6 +115,24 @@ def forced_opening(function: dict[str, Any], fmt: str) -> str:
     if fmt == HERMES:
         return f'<tool_call>{{"name": "{name}", "arguments": ' + (f'{{"{required[0]}": ' if required else "")
     return f"[{name}(" + (f"{required[0]}=" if required else "")
+
+
+_CLOSINGS = {PYTHONIC: ("", ")]", "]"),
+             HERMES: ("", "}", "}}", "</tool_call>", "}</tool_call>", "}}</tool_call>")}
+
+
+def parse_forced_call(opening: str, text: str, fmt: str,
+                      tools: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:
+    """:func:`parse_tool_calls` of a forced call's ``opening + text``, closed when the model stopped inside it.
+
+    The closings of ``fmt`` are tried shortest first; with none parsing, the
+    answer is the text (``opening + text``) and no call.
+    """
+    for closing in _CLOSINGS[fmt]:
+        content, calls = parse_tool_calls(opening + text + closing, tools)
+        if calls:
+            return content, calls
+    return opening + text, []
 
 
 def parse_tool_calls(text: str, tools: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:

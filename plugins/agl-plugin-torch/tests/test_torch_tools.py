@@ -19,8 +19,8 @@ from agl_plugin_torch.backend import create
 from agl_plugin_torch.modeling import CHAT_TEMPLATE
 from agl_plugin_torch.settings import TorchConfig
 from agl_plugin_torch.testing import tiny_section
-from agl_plugin_torch.tools import (HERMES, PYTHONIC, forced_opening, parse_tool_calls, template_messages,
-                                    tool_format)
+from agl_plugin_torch.tools import (HERMES, PYTHONIC, forced_opening, parse_forced_call, parse_tool_calls,
+                                    template_messages, tool_format)
 
 GUESS = {"type": "function", "function": {"name": "guess", "description": "Guess the secret.", "parameters": {
     "type": "object", "properties": {"number": {"type": "integer"}}, "required": ["number"]}}}
@@ -67,6 +67,24 @@ def test_the_format_is_the_templates_and_a_forced_call_opens_in_it():
     assert forced_opening({"name": "f"}, PYTHONIC) == "[f("
 
 
+@pytest.mark.parametrize("fmt, text, arguments", [
+    (PYTHONIC, "4 )]", {"number": 4}),        # the model closed the call itself
+    (PYTHONIC, "4", {"number": 4}),           # it stopped inside the call: the backend closes it
+    (PYTHONIC, "4 )] higher", None),          # text after the call: no call
+    (PYTHONIC, ")]", None),                   # no value
+    (HERMES, "4}}</tool_call>", {"number": 4}),
+    (HERMES, "4", {"number": 4}),
+    (HERMES, "4, \"x\": [", None),
+])
+def test_a_forced_call_is_closed_when_the_model_stopped_inside_it(fmt, text, arguments):
+    opening = forced_opening(GUESS["function"], fmt)
+    content, calls = parse_forced_call(opening, text, fmt, [GUESS])
+    if arguments is None:
+        assert (content, calls) == (opening + text, [])
+    else:
+        assert content is None and [json.loads(c["function"]["arguments"]) for c in calls] == [arguments]
+
+
 def test_tool_call_arguments_reach_the_template_as_objects_and_bad_ones_are_named():
     messages = [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "guess", "arguments": '{"number": 4}'}}]}]
@@ -89,12 +107,13 @@ def served(tmp_path):
 
 
 def first_call(client, messages, **kwargs):
-    """Sample (seeded, 32 choices a request) until the random model writes a whole call: the first such choice."""
+    """Sample (seeded, 32 choices a request) until the random model writes a call and its closing ``)]`` itself
+    (not closed by the backend): the first such choice."""
     for seed in range(0, 40 * 32, 32):  # choice i of a request is seeded seed + i: no seed twice
         reply = client.chat.completions.create(model="policy", messages=messages, tools=[GUESS], seed=seed,
-                                               n=32, max_tokens=2, **kwargs)
+                                               n=32, max_tokens=2, logprobs=True, **kwargs)
         for choice in reply.choices:
-            if choice.message.tool_calls:
+            if choice.message.tool_calls and choice.logprobs.content[-1].token == ")]":
                 return reply, choice
     raise AssertionError("the model wrote no whole call in 1280 samples")
 
@@ -132,8 +151,8 @@ def test_a_tool_call_round_trip_through_the_gateway_is_one_trajectory(served):
     finally:
         server.stop()
     spans = [s for s in store._entries["r1"].spans if s.kind == "llm_call" and "error" not in s.attributes]
-    called = next(s for s in spans if s.attributes.get("response", {}).get("choices", [{}])[0]
-                  .get("message", {}).get("tool_calls"))
+    called = next(s for s in spans if (s.attributes["response"]["choices"][0]["message"].get("tool_calls")
+                                       or [{}])[0].get("id") == call.id)
     last = spans[-1]
     context = list(called.prompt_token_ids) + list(called.response_token_ids)
     assert list(last.prompt_token_ids[:len(context)]) == context  # the call as the model wrote it, then the result
