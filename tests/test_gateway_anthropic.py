@@ -232,7 +232,11 @@ def test_bad_requests_get_anthropics_error_shape_and_record_nothing(endpoint, st
     endpoint.fail_next.append(400)  # the policy server's own refusal, in Anthropic's shape
     with pytest.raises(anthropic.BadRequestError, match="injected failure 400"):
         client.messages.create(model="policy", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
-    assert spans(store)[0].attributes["error"]
+    endpoint.fail_next.append(400)  # a stream refused before its first event: the same error, not an event stream
+    with pytest.raises(anthropic.BadRequestError, match="injected failure 400"):
+        with client.messages.stream(model="policy", max_tokens=8, messages=[{"role": "user", "content": "hi"}]):
+            pass
+    assert [bool(span.attributes["error"]) for span in spans(store)] == [True, True]
 
 
 def test_the_token_is_read_from_the_sdks_api_key(endpoint, store, serve):

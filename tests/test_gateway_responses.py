@@ -290,6 +290,11 @@ def test_bad_requests_get_openais_error_shape_and_record_nothing(endpoint, store
     endpoint.fail_next.append(400)  # the policy server's own refusal, passed on in OpenAI's shape
     with pytest.raises(openai.BadRequestError, match="injected failure 400"):
         openai_client.responses.create(model="policy", input="hi")
+    endpoint.fail_next.append(400)  # a stream refused before its first event: the same error, not an event stream
+    with pytest.raises(openai.BadRequestError, match="injected failure 400"):
+        openai_client.responses.create(model="policy", input="hi", stream=True)
+    with pytest.raises(openai.BadRequestError, match="'previous_response_id'"):
+        openai_client.responses.create(model="policy", input="hi", stream=True, previous_response_id="resp_x")
 
 
 def test_a_disconnect_mid_stream_leaves_an_incomplete_span(endpoint, store, serve):

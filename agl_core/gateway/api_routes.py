@@ -164,6 +164,7 @@ class TranslatedEventStream(EventStreamResponse):
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
                                 (b"cache-control", b"no-cache")]})
+        frames: list[bytes] = []
         try:
             frames = events.start()
             async for chunk in stream:
@@ -175,7 +176,7 @@ class TranslatedEventStream(EventStreamResponse):
             await stream.close()
         error = stream.error or stream.record_error
         answer = stream.assembly.response() if stream.assembly.chunks else None
-        tail = events.end(answer, error)
+        tail = frames + events.end(answer, error)  # frames: what start() made when no chunk came
         if error is None and answer is not None and self.finished is not None:
             self.finished(answer)
         await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
