@@ -10,7 +10,9 @@ the rollout goes back to the front of the queue while it has attempts left
 that ends by itself (:meth:`Store.finish`) is final, whatever its status.
 
 Spans (model calls, rewards, annotations) are written with
-:meth:`Store.add_spans` under ids from :meth:`Store.next_sequence_id`; a
+:meth:`Store.add_spans` under ids from :meth:`Store.next_sequence_id` (or,
+for a model call, :meth:`Store.admit`: the check that the attempt runs and
+its ids in one request, which a remote store answers in one round trip); a
 finished rollout is read back with the spans of its last attempt only. The
 consumer calls :meth:`Store.release` once it has the rollouts, so that a store
 never holds what nobody will read again.
@@ -95,6 +97,15 @@ class Store(Protocol):
 
     def attempt_state(self, rollout_id: str, attempt_id: str) -> AttemptState | None:
         """Whether ``attempt_id`` is the running attempt of ``rollout_id``; None for an unknown rollout."""
+
+    def admit(self, rollout_id: str, attempt_id: str, n: int) -> tuple[AttemptState | None, list[int]]:
+        """:meth:`attempt_state`, and ``n`` sequence ids (as :meth:`next_sequence_id`) when the attempt is current.
+
+        The gateway admits each model call so (one id per choice): the ids are
+        ``[]`` for an attempt that is not the running one, and the state None
+        for an unknown rollout. A store may raise KeyError for a rollout
+        released meanwhile.
+        """
 
     def next_sequence_id(self, rollout_id: str) -> int:
         """The next span sequence id of the rollout (0, 1, …): the order of its events.

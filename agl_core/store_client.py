@@ -246,6 +246,13 @@ class HttpStore:
         state = json.loads(self._call("attempt_state", {"rollout_id": rollout_id, "attempt_id": attempt_id}))["state"]
         return None if state is None else AttemptState(state["rollout_status"], state["current"], state["metadata"])
 
+    def admit(self, rollout_id: str, attempt_id: str, n: int) -> tuple[AttemptState | None, list[int]]:
+        """One round trip; the service then makes :meth:`finish` of the attempt wait for these ids' spans."""
+        answer = json.loads(self._call("admit", {"rollout_id": rollout_id, "attempt_id": attempt_id, "n": n}))
+        state = answer["state"]
+        return (None if state is None else AttemptState(state["rollout_status"], state["current"], state["metadata"]),
+                answer["sequence_ids"])
+
     # ------------------------------------------------------------ spans
 
     def next_sequence_id(self, rollout_id: str) -> int:

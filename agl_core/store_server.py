@@ -24,6 +24,8 @@ method                request                                       answer
 ``requeue_expired``   ``{}``                                        ``count``
 ``attempt_state``     ``rollout_id, attempt_id``                    ``state: {rollout_status,
                                                                     current, metadata} | null``
+``admit``             ``rollout_id, attempt_id, n``                 ``state: {...} | null,
+                                                                    sequence_ids: [int]``
 ``next_sequence_id``  ``rollout_id``                                ``sequence_id``
 ``add_spans``         ``spans: [Span]``                             ``count`` (once in the file)
 ``wait``              ``rollout_ids, timeout_s``                    ``done: [rollout_id]``
@@ -42,10 +44,13 @@ token, 404 of type ``unknown_rollout`` for the protocol's KeyError (another
 failure of the store.
 
 **Choices.** The service keeps the rules of every server of the project
-(:mod:`agl_core.http_rules`). Store calls block (SQLite locks, long polls),
-so they run on a pool of :data:`THREADS` threads, never on the event loop;
-a long poll is cut at :data:`LONG_POLL_S` (the client asks again until its
-own deadline), so a client that died mid-poll holds a thread for seconds at
+(:mod:`agl_core.http_rules`). Store calls run on the event loop, where a
+hop to a thread and back would cost more than their SQLite transaction or
+two (spans are written at once, one transaction per upload: the clients
+batch them). A long poll (:data:`WAITING_METHODS`) is tried there too, and
+waits on a pool of :data:`THREADS` threads only when what it waits for is
+not there yet; it is cut at :data:`LONG_POLL_S` (the client asks again until
+its own deadline), so a client that died mid-poll holds a thread for seconds at
 most, and a pool this size lets that many runners poll at once. A span
 upload is answered once its spans are in the file, so an acknowledged span
 survives a kill -9 of the service. The store counts sequence ids here for
@@ -54,6 +59,18 @@ every client and reserves them in the file in blocks
 an id a client may still be uploading a span under; with spans unique by
 (rollout, attempt, sequence id) in the file, a retried upload writes nothing
 twice.
+
+**Calls overtaken by their rollout's end.** A gateway admits each model call
+here (``admit``: the attempt's state and the call's ids in one round trip),
+answers the agent, and uploads the call's spans in the background; so the
+runner's ``finish`` may arrive before the last call's spans. The service
+remembers the ids it admitted and not yet received: ``finish`` waits for
+them (at most :data:`SPAN_WAIT_S`; a gateway that died mid-call leaves a
+rollout without that call, logged), unless the attempt ``timed_out``. That
+keeps one round trip per call on the agent's path, where a gateway that
+flushed each call before answering paid two. Only stores reached through
+this service need it: in one process the gateway writes to the reader's
+store.
 """
 
 from __future__ import annotations
@@ -67,16 +84,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from agl_core.data import Span, Task
 from agl_core.http_rules import (RequestError, check_bearer, error_response, health_response, parse_json_object,
                                  read_body, require_token_off_loopback, token_from)
 from agl_core.http_server import ServerThread, stop_on_signals
-from agl_core.store import NewRollout, Store
+from agl_core.store import TIMED_OUT, AttemptState, NewRollout, Store
 from agl_core.store_client import TOKEN_ENV, UNKNOWN_ROLLOUT, Rollouts
 
 log = logging.getLogger("agl_core.store_server")
@@ -88,6 +103,12 @@ THREADS = 256
 MAX_BODY_BYTES = 64 * 2**20
 BODY_TIMEOUT_S = 60.0
 RESERVE_SEQUENCE_IDS = 256
+PREFIX = "/v1/store/"
+WAITING_METHODS = {"dequeue": "wait_s", "wait": "timeout_s"}
+"""Methods that may wait (long polls), and the field that says how long: they wait on the pool."""
+SPAN_WAIT_S = 5.0
+"""The longest ``finish`` waits for the spans of calls admitted for the attempt."""
+MAX_ADMIT = 1024
 
 
 # ---------------------------------------------------------------- request bodies
@@ -143,6 +164,12 @@ class _AttemptKey(_Body):
     attempt_id: str
 
 
+class _Admit(_Body):
+    rollout_id: str
+    attempt_id: str
+    n: int = Field(ge=1, le=MAX_ADMIT)
+
+
 class _RolloutKey(_Body):
     rollout_id: str
 
@@ -182,10 +209,14 @@ def _dequeue(store: Store, body: _Dequeue) -> dict[str, Any]:
                         "metadata": attempt.metadata}}
 
 
-def _attempt_state(store: Store, body: _AttemptKey) -> dict[str, Any]:
-    state = store.attempt_state(body.rollout_id, body.attempt_id)
-    return {"state": None if state is None else {"rollout_status": state.rollout_status, "current": state.current,
-                                                 "metadata": state.metadata}}
+def _state(state: AttemptState | None) -> dict[str, Any] | None:
+    return None if state is None else {"rollout_status": state.rollout_status, "current": state.current,
+                                       "metadata": state.metadata}
+
+
+def _admit(store: Store, body: _Admit) -> dict[str, Any]:
+    state, sequence_ids = store.admit(body.rollout_id, body.attempt_id, body.n)
+    return {"state": _state(state), "sequence_ids": sequence_ids}
 
 
 def _add_spans(store: Store, body: _Spans) -> dict[str, Any]:
@@ -211,7 +242,8 @@ METHODS: dict[str, tuple[type[_Body], Callable[[Store, Any], dict[str, Any] | by
                                                      b.error)}),
     "cancel": (_Cancel, lambda s, b: {"count": s.cancel(b.rollout_ids, b.reason)}),
     "requeue_expired": (_Nothing, lambda s, b: {"count": s.requeue_expired()}),
-    "attempt_state": (_AttemptKey, _attempt_state),
+    "attempt_state": (_AttemptKey, lambda s, b: {"state": _state(s.attempt_state(b.rollout_id, b.attempt_id))}),
+    "admit": (_Admit, _admit),
     "next_sequence_id": (_RolloutKey, lambda s, b: {"sequence_id": s.next_sequence_id(b.rollout_id)}),
     "add_spans": (_Spans, _add_spans),
     "wait": (_Wait, lambda s, b: {"done": sorted(s.wait(b.rollout_ids, min(b.timeout_s, LONG_POLL_S)))}),
@@ -219,6 +251,13 @@ METHODS: dict[str, tuple[type[_Body], Callable[[Store, Any], dict[str, Any] | by
     "query": (_Query, lambda s, b: _rollouts(s.query(b.statuses))),
     "release": (_Ids, _release),
 }
+
+
+def _final(method: str, body: Any, answer: dict[str, Any]) -> bool:
+    """Whether a waiting method's answer without waiting is final: what it waits for is there, or it may not wait."""
+    if method == "dequeue":
+        return answer["attempt"] is not None or body.wait_s == 0
+    return len(answer["done"]) == len(set(body.rollout_ids)) or body.timeout_s == 0
 
 
 def _parse(method: str, model: type[_Body], raw: bytes) -> _Body:
@@ -236,6 +275,57 @@ def _parse(method: str, model: type[_Body], raw: bytes) -> _Body:
 # ---------------------------------------------------------------- the service
 
 
+class _AwaitedSpans:
+    """Sequence ids admitted through the service whose spans have not arrived, by rollout and attempt.
+
+    Kept on the event loop's thread only (``admit``, ``add_spans`` and
+    ``finish`` run there), so it needs no lock.
+    """
+
+    def __init__(self) -> None:
+        self._awaited: dict[str, dict[str, set[int]]] = {}
+        self._all_arrived: dict[tuple[str, str], asyncio.Event] = {}
+
+    def admitted(self, rollout_id: str, attempt_id: str, sequence_ids: list[int]) -> None:
+        if sequence_ids:
+            self._awaited.setdefault(rollout_id, {}).setdefault(attempt_id, set()).update(sequence_ids)
+
+    def arrived(self, spans: list[Span]) -> None:
+        for span in spans:
+            ids = self._awaited.get(span.rollout_id, {}).get(span.attempt_id)
+            if ids is not None:
+                ids.discard(span.sequence_id)
+                if not ids and (event := self._all_arrived.get((span.rollout_id, span.attempt_id))):
+                    event.set()
+
+    async def wait(self, rollout_id: str, attempt_id: str, timeout_s: float) -> set[int]:
+        """Wait until the attempt's awaited spans arrived (or ``timeout_s``); forget them; return those missing."""
+        if self._awaited.get(rollout_id, {}).get(attempt_id) and timeout_s > 0:
+            event = self._all_arrived.setdefault((rollout_id, attempt_id), asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), timeout_s)
+            except TimeoutError:
+                pass
+            finally:
+                self._all_arrived.pop((rollout_id, attempt_id), None)
+        attempts = self._awaited.get(rollout_id, {})
+        missing = attempts.pop(attempt_id, set())
+        if not attempts:
+            self._awaited.pop(rollout_id, None)
+        return missing
+
+    def forget(self, rollout_ids: list[str] | None) -> None:
+        for rollout_id in list(self._awaited) if rollout_ids is None else rollout_ids:
+            self._awaited.pop(rollout_id, None)
+
+
+async def _lifespan(receive: Any, send: Any) -> None:
+    """ASGI lifespan: nothing to start or stop (the caller owns the store)."""
+    while (await receive())["type"] != "lifespan.shutdown":  # startup: nothing to do
+        await send({"type": "lifespan.startup.complete"})
+    await send({"type": "lifespan.shutdown.complete"})
+
+
 class StoreService:
     """The ASGI app (:attr:`app`) serving ``store``; ``token``, when set, is required of every caller.
 
@@ -245,14 +335,25 @@ class StoreService:
     def __init__(self, store: Store, token: str | None = None, *, max_body_bytes: int = MAX_BODY_BYTES):
         self.store, self.token, self.max_body_bytes = store, token, max_body_bytes
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="agl-store")
-        self.app = Starlette(routes=[Route("/v1/store/{method}", self._call, methods=["POST"]),
-                                     Route("/healthz", self._health, methods=["GET"])])
+        self._awaited = _AwaitedSpans()
+        self.app = self
 
-    async def _health(self, request: Request) -> Response:
-        return health_response(request, self.token, {"db": str(getattr(self.store, "path", ""))})
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """The ASGI app. Two routes only, so no router: Starlette's stack cost more than the store call."""
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        request = Request(scope, receive)
+        path, verb = scope["path"], scope["method"]
+        if path.startswith(PREFIX) and verb == "POST":
+            response = await self._call(request, path[len(PREFIX):])
+        elif path == "/healthz" and verb == "GET":
+            response = health_response(request, self.token, {"db": str(getattr(self.store, "path", ""))})
+        else:
+            response = error_response(404 if verb in ("GET", "POST") else 405, f"no route {verb} {path}")
+        await response(scope, receive, send)
 
-    async def _call(self, request: Request) -> Response:
-        method = request.path_params["method"]
+    async def _call(self, request: Request, method: str) -> Response:
         try:
             check_bearer(request, self.token)
             if method not in METHODS:
@@ -260,7 +361,15 @@ class StoreService:
             model, run = METHODS[method]
             body = _parse(method, model, await read_body(request, self.max_body_bytes, "the store service's "
                                                          "body limit", BODY_TIMEOUT_S))
-            answer = await asyncio.get_running_loop().run_in_executor(self._pool, run, self.store, body)
+            if method in WAITING_METHODS:  # tried at once on the loop; waited for on the pool if nothing is there yet
+                answer = run(self.store, body.model_copy(update={WAITING_METHODS[method]: 0.0}))
+                if not _final(method, body, answer):
+                    answer = await asyncio.get_running_loop().run_in_executor(self._pool, run, self.store, body)
+            else:
+                if method == "finish":
+                    await self._spans_before_finish(body)
+                answer = run(self.store, body)
+                self._keep_books(method, body, answer)
         except RequestError as exc:
             return error_response(exc.status, str(exc))
         except KeyError as exc:  # the protocol's "a rollout the store does not hold"
@@ -273,6 +382,23 @@ class StoreService:
             return error_response(500, f"{type(exc).__name__}: {exc}")
         content = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
         return Response(content, media_type="application/json")
+
+    async def _spans_before_finish(self, body: _Finish) -> None:
+        """Wait for the spans of the calls admitted for the attempt (not for a timed-out one's calls in flight)."""
+        timed_out = body.status == TIMED_OUT
+        missing = await self._awaited.wait(body.rollout_id, body.attempt_id, 0.0 if timed_out else SPAN_WAIT_S)
+        if missing and not timed_out:
+            log.warning("rollout %s attempt %s ended without the spans of calls %s, admitted %g s ago or more "
+                        "(their gateway stopped?)", body.rollout_id, body.attempt_id, sorted(missing), SPAN_WAIT_S)
+
+    def _keep_books(self, method: str, body: Any, answer: dict[str, Any] | bytes) -> None:
+        """Note the calls admitted and the spans arrived; forget released or cancelled rollouts."""
+        if method == "admit":
+            self._awaited.admitted(body.rollout_id, body.attempt_id, answer["sequence_ids"])
+        elif method == "add_spans":
+            self._awaited.arrived(body.spans)
+        elif method in ("release", "cancel"):
+            self._awaited.forget(body.rollout_ids)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -292,7 +418,7 @@ def main(args) -> int:
                          f"({exc})") from None
     token = token_from(args.token, TOKEN_ENV)
     require_token_off_loopback("the store service", args.host, token, f"--token (or ${TOKEN_ENV})")
-    store = SqliteStore(args.db, reserve_sequence_ids=RESERVE_SEQUENCE_IDS)
+    store = SqliteStore(args.db, reserve_sequence_ids=RESERVE_SEQUENCE_IDS, batch_spans=False)
     stop = stop_on_signals()
     service = StoreService(store, token)
     try:

@@ -15,10 +15,11 @@
    where the cores went: on a busy machine the rates move, those figures
    much less.
 2. The store service's added latency per rollout: enqueue, dequeue, the spans
-   of 4 calls written as the gateway writes them, finish, read back and
+   of 4 calls admitted and written as the gateway does, finish, read back and
    release, through :class:`~agl_core.store_client.HttpStore` against
-   ``agl serve store`` vs :class:`~agl_plugin_sqlite.SqliteStore` in this
-   process, alternating blocks. Goal: at most 2 ms more at p50.
+   ``agl serve store`` (a client for each role: trainer, runner, gateway) vs
+   :class:`~agl_plugin_sqlite.SqliteStore` in this process (shared by the
+   roles), alternating blocks. Goal: at most 2 ms more at p50.
 3. With ``--recipes`` (long: two trainings of ``--steps`` steps): the default
    game with ``recipe.yaml`` and ``recipe_ray.yaml``, seconds per step and the
    validation rewards. Goal: no slower per step, the same learning.
@@ -52,7 +53,7 @@ from agl_core.builtin import local_runner
 from agl_core.config import load
 from agl_core.data import Span, Task
 from agl_core.loop import Trainer
-from agl_core.store import NewRollout
+from agl_core.store import NewRollout, Store
 from agl_core.store_client import HttpStore
 from agl_core.testing import PolicyEndpoints
 
@@ -179,10 +180,17 @@ def throughput(endpoint_url: str, tmp: Path, n_rollouts: int, rounds: int, iters
 
 
 STORE_OPS = ("enqueue", "dequeue", "spans", "finish", "read_back")
+ROLES = ("trainer", "runner", "gateway")
 
 
-def one_rollout(store, rollout_id: str, spans: list[Span]) -> dict[str, float]:
-    """Seconds of each stage of a rollout's whole life in ``store`` (:data:`STORE_OPS`)."""
+def one_rollout(roles: dict[str, Store], rollout_id: str, spans: list[Span]) -> dict[str, float]:
+    """Seconds of each stage of a rollout's whole life (:data:`STORE_OPS`), each step by the role that takes it.
+
+    ``roles`` maps ``trainer``, ``runner`` and ``gateway`` to their store: one
+    object shared in one process, or a client each, as their three processes
+    have when the store is a service.
+    """
+    trainer, runner, gateway = roles["trainer"], roles["runner"], roles["gateway"]
     times, clock = {}, time.perf_counter()
 
     def lap(op: str) -> None:
@@ -190,42 +198,50 @@ def one_rollout(store, rollout_id: str, spans: list[Span]) -> dict[str, float]:
         now = time.perf_counter()
         times[op], clock = now - clock, now
 
-    store.enqueue([NewRollout(rollout_id, Task(id="t", input={}))])
+    trainer.enqueue([NewRollout(rollout_id, Task(id="t", input={}))])
     lap("enqueue")
-    attempt = store.dequeue("bench", lease_s=60)
+    attempt = runner.dequeue("bench", lease_s=60)
     lap("dequeue")
-    for span in spans:  # as the gateway writes them: one call, one span, its sequence id asked for
-        store.add_spans([span.model_copy(update={"rollout_id": rollout_id, "attempt_id": attempt.attempt_id,
-                                                 "sequence_id": store.next_sequence_id(rollout_id)})])
+    for span in spans:  # as the gateway does: each call admitted (state and sequence id), then its span added
+        _, [sequence_id] = gateway.admit(rollout_id, attempt.attempt_id, 1)
+        gateway.add_spans([span.model_copy(update={"rollout_id": rollout_id, "attempt_id": attempt.attempt_id,
+                                                   "sequence_id": sequence_id})])
     lap("spans")
-    store.finish(rollout_id, attempt.attempt_id, "succeeded", final_reward=1.0)
+    runner.finish(rollout_id, attempt.attempt_id, "succeeded", final_reward=1.0)
     lap("finish")
-    [rollout] = store.get_rollouts([rollout_id])
-    store.release([rollout_id])
+    [rollout] = trainer.get_rollouts([rollout_id])
+    trainer.release([rollout_id])
     lap("read_back")
     if len(rollout.spans) != len(spans):
-        raise SystemExit(f"{type(store).__name__} read back {len(rollout.spans)} spans of {len(spans)}")
+        raise SystemExit(f"{type(trainer).__name__} read back {len(rollout.spans)} spans of {len(spans)}")
     return times
 
 
 def store_latency(tmp: Path, n: int, block: int = 50) -> dict:
-    """ms per rollout in each store (p50, p90, and the p50 of each stage), blocks of ``block`` rollouts alternating."""
+    """ms per rollout in each store (p50, p90, and the p50 of each stage), blocks of ``block`` rollouts alternating.
+
+    In process, trainer, runner and gateway share one SQLite store (the local
+    runner's setting); against the service each role has its own client.
+    """
     spans = [Span(rollout_id="r", sequence_id=0, kind="llm_call", prompt_token_ids=list(range(64)),
                   response_token_ids=list(range(100, 116)), response_logprobs=[-0.5] * 16,
                   attributes={"request": {"messages": [{"role": "user", "content": "turn"}]}})] * TURNS
     service = services.start("store", ["store", "--db", str(tmp / "served.sqlite")], tmp / "store.log", {}, 60.0)
-    stores = {"sqlite_in_process": SqliteStore(tmp / "local.sqlite"), "http_service": HttpStore(service.url)}
-    laps: dict[str, list[dict[str, float]]] = {name: [] for name in stores}
+    local = SqliteStore(tmp / "local.sqlite")
+    setups = {"sqlite_in_process": dict.fromkeys(ROLES, local),
+              "http_service": {role: HttpStore(service.url) for role in ROLES}}
+    laps: dict[str, list[dict[str, float]]] = {name: [] for name in setups}
     try:
-        for name, store in stores.items():  # warm-up: connections, statements
+        for name, roles in setups.items():  # warm-up: connections, statements
             for i in range(20):
-                one_rollout(store, f"warm-{name}-{i}", spans)
+                one_rollout(roles, f"warm-{name}-{i}", spans)
         for start in range(0, n, block):
-            for name, store in stores.items():
-                laps[name] += [one_rollout(store, f"{name}-{i}", spans) for i in range(start, min(n, start + block))]
+            for name, roles in setups.items():
+                laps[name] += [one_rollout(roles, f"{name}-{i}", spans) for i in range(start, min(n, start + block))]
     finally:
-        for store in stores.values():
-            store.close()
+        for roles in setups.values():
+            for store in set(roles.values()):
+                store.close()
         service.stop()
     figures = {}
     for name, runs in laps.items():

@@ -10,6 +10,8 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from agl_plugin_sqlite import SqliteStore
+
 from agl_core.builtin.memory_store import MemoryStore
 from agl_core.config import GatewayConfig
 from agl_core.data import Task
@@ -18,6 +20,8 @@ from agl_core.gateway.upstream import Upstreams
 from agl_core.gateway.server import call_seed
 from agl_core.http_server import ServerThread
 from agl_core.store import NewRollout
+from agl_core.store_client import HttpStore
+from agl_core.store_server import RESERVE_SEQUENCE_IDS, StoreService
 from agl_core.testing_endpoint import ByteTokenizer, TestEndpoint, response_logprob
 
 TOKENIZER = ByteTokenizer()
@@ -360,15 +364,24 @@ def test_a_store_that_cannot_write_fails_the_call_with_503_naming_why(endpoint, 
             client(server).chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
 
 
-def test_a_durable_gateway_answers_once_the_calls_spans_are_flushed(endpoint, store, serve, monkeypatch):
-    """The gateway service's store is read by other processes: the answer must not overtake the span."""
-    events = []
-    add_spans, flush = store.add_spans, store.flush
-    monkeypatch.setattr(store, "add_spans", lambda spans: (events.append("add"), add_spans(spans))[1])
-    monkeypatch.setattr(store, "flush", lambda: (events.append("flush"), flush())[1])
-    gateway, server = serve(store, [endpoint.url])
-    client(server).chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
-    assert events == ["add"]
-    gateway.durable = True
-    client(server).chat.completions.create(model="policy", messages=[{"role": "user", "content": "y"}])
-    assert events == ["add", "add", "flush"]
+def test_over_a_store_service_a_finish_right_after_the_last_answer_sees_its_span(endpoint, serve, tmp_path):
+    """Gateway, runner and trainer each with their own client of the store service, as in three processes: the
+    gateway uploads a call's span after answering, and the service's finish waits for the spans it admitted."""
+    backing = SqliteStore(tmp_path / "served.sqlite", reserve_sequence_ids=RESERVE_SEQUENCE_IDS, batch_spans=False)
+    service = StoreService(backing)
+    with ServerThread(service.app) as store_server:
+        trainer, runner, for_gateway = (HttpStore(store_server.url) for _ in range(3))
+        _, server = serve(for_gateway, [endpoint.url])
+        trainer.enqueue([NewRollout(f"r{i}", Task(id="t", input={})) for i in range(20)])
+        for i in range(20):
+            attempt = runner.dequeue("w", lease_s=60)
+            for turn in range(3):
+                client(server, attempt.rollout_id, attempt.attempt_id).chat.completions.create(
+                    model="policy", messages=[{"role": "user", "content": f"turn {turn}"}])
+            assert runner.finish(attempt.rollout_id, attempt.attempt_id, "succeeded", final_reward=1.0)
+            [rollout] = trainer.get_rollouts([attempt.rollout_id])
+            assert [s.sequence_id for s in rollout.spans] == [0, 1, 2]
+        for store in (trainer, runner, for_gateway):
+            store.close()
+    service.close()
+    backing.close()

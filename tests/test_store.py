@@ -74,6 +74,19 @@ def test_lifecycle_queuing_running_succeeded_with_spans(store):
     assert {r.rollout_id for r in store.query(["queuing"])} == {"b"}
 
 
+def test_admit_is_the_attempt_state_and_its_next_ids_in_one_call(store):
+    store.enqueue([new("a", agent_name="guesser"), new("b")])
+    attempt = store.dequeue("w1", lease_s=30)
+    state, ids = store.admit("a", attempt.attempt_id, 2)
+    assert state.current and state.rollout_status == "running" and state.metadata == {"agent_name": "guesser"}
+    assert ids == [0, 1] and store.next_sequence_id("a") == 2
+    assert store.admit("a", "2", 3) == (store.attempt_state("a", "2"), [])  # not the running attempt: no ids
+    state, ids = store.admit("b", "1", 1)
+    assert state.rollout_status == "queuing" and not state.current and ids == []
+    assert store.admit("nope", "1", 1) == (None, [])
+    assert store.admit("a", attempt.attempt_id, 1)[1] == [3]  # after the refused ones: nothing was used up
+
+
 def test_duplicate_rollout_ids_are_refused(store):
     store.enqueue([new("a")])
     with pytest.raises(ValueError, match="already in the store"):

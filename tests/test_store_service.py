@@ -352,3 +352,49 @@ def test_the_plugin_needs_a_url(make_recipe):
         components.get("store", "http").obj(ctx)
     with pytest.raises(ConfigError, match="plugins.http_store.urll: unknown key"):
         make_recipe(["plugins.http_store.urll=http://x:1"])
+
+
+def test_finish_waits_for_the_spans_of_the_calls_the_service_admitted(serve, client, monkeypatch):
+    """A gateway answers a call before its spans are uploaded, so the runner's finish may overtake them: the service
+    makes finish wait for the spans of the calls it admitted, and never for a timed-out attempt's calls."""
+    url, _ = serve()
+    trainer, runner, gateway = client(url), client(url), client(url)
+    trainer.enqueue([new("a"), new("b")])
+    attempt = runner.dequeue("w", lease_s=30)
+    _, [first, second] = gateway.admit("a", attempt.attempt_id, 2)
+    gateway.add_spans([span("a", attempt.attempt_id, first)])
+    late = threading.Timer(0.3, lambda: gateway.add_spans([span("a", attempt.attempt_id, second)]))
+    late.start()
+    assert runner.finish("a", attempt.attempt_id, "succeeded", final_reward=1.0)
+    assert [s.sequence_id for s in trainer.get_rollouts(["a"])[0].spans] == [first, second]
+    late.join()
+
+    other = runner.dequeue("w", lease_s=30)
+    gateway.admit("b", other.attempt_id, 1)  # a call whose span never comes: its gateway stopped
+    monkeypatch.setattr("agl_core.store_server.SPAN_WAIT_S", 0.2)
+    assert runner.finish("b", other.attempt_id, "timed_out")  # not waited for
+    assert trainer.get_rollouts(["b"])[0].spans == []
+
+
+def test_a_finish_gives_up_on_a_span_that_never_comes(serve, client, monkeypatch, caplog):
+    url, _ = serve()
+    store = client(url)
+    store.enqueue([new("a")])
+    attempt = store.dequeue("w", lease_s=30)
+    store.admit("a", attempt.attempt_id, 1)
+    monkeypatch.setattr("agl_core.store_server.SPAN_WAIT_S", 0.2)
+    with caplog.at_level("WARNING", logger="agl_core.store_server"):
+        assert store.finish("a", attempt.attempt_id, "succeeded", final_reward=1.0)
+    assert "ended without the spans of calls [0]" in caplog.text
+    assert store.get_rollouts(["a"])[0].status == "succeeded"
+
+
+def test_long_polls_answer_at_once_what_is_there_and_wait_for_the_rest(serve, client):
+    url, _ = serve()
+    store, producer = client(url), client(url)
+    store.enqueue([new("a")])
+    assert store.dequeue("w", lease_s=30, wait_s=5).rollout_id == "a"  # there: answered on the event loop
+    threading.Timer(0.3, lambda: producer.enqueue([new("b")])).start()
+    assert store.dequeue("w", lease_s=30, wait_s=5).rollout_id == "b"  # not yet there: waited for on the pool
+    threading.Timer(0.3, lambda: producer.finish("b", "1", "succeeded")).start()
+    assert store.wait(["b"], timeout_s=5) == {"b"}

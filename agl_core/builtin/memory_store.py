@@ -150,6 +150,11 @@ class MemoryStore:
             current = entry.status == RUNNING and entry.attempt_id == attempt_id
             return AttemptState(entry.status, current, entry.metadata)
 
+    def admit(self, rollout_id: str, attempt_id: str, n: int) -> tuple[AttemptState | None, list[int]]:
+        with self._changed:
+            state = self.attempt_state(rollout_id, attempt_id)
+            return state, [self.next_sequence_id(rollout_id) for _ in range(n)] if state and state.current else []
+
     def _running(self, rollout_id: str, attempt_id: str) -> _Entry | None:
         entry = self._entries.get(rollout_id)
         if entry is None or entry.status != RUNNING or entry.attempt_id != attempt_id:

@@ -103,11 +103,16 @@ class SqliteStore:
     file, that many ids at a time, how far each rollout's sequence ids were
     handed out (one small commit per block), and a process that opens the
     file later counts on from there: no id is handed out twice, at the cost
-    of a gap after a restart.
+    of a gap after a restart. ``batch_spans=False`` writes the spans of each
+    ``add_spans`` at once, in the caller's thread and transaction, for a
+    caller whose spans come in batches already (the store service, whose
+    clients upload in batches): no writer thread, nothing for ``flush`` to
+    wait for.
     """
 
     def __init__(self, path: str | Path, batch_size: int = 512, max_pending: int = 20_000,
-                 keep_consumed: bool = True, busy_timeout_s: float = 30.0, reserve_sequence_ids: int = 0):
+                 keep_consumed: bool = True, busy_timeout_s: float = 30.0, reserve_sequence_ids: int = 0,
+                 batch_spans: bool = True):
         self.path = Path(path)
         self.batch_size, self.keep_consumed = batch_size, keep_consumed
         self.reserve_sequence_ids = reserve_sequence_ids
@@ -126,9 +131,11 @@ class SqliteStore:
         except (OSError, sqlite3.Error, ValueError) as exc:
             self._close_connections()
             raise self._unusable(exc) from None
-        self._writer = SpanBatcher(self._insert_spans, self._write_failure, name="agl-sqlite-span-writer",
-                                   batch_size=batch_size, max_pending=max_pending)
-        self._writer.start()
+        self._writer: SpanBatcher | None = None
+        if batch_spans:
+            self._writer = SpanBatcher(self._insert_spans, self._write_failure, name="agl-sqlite-span-writer",
+                                       batch_size=batch_size, max_pending=max_pending)
+            self._writer.start()
 
     def _open(self) -> None:
         """Create the file and its tables, or check the existing file's; raises what it finds wrong."""
@@ -291,6 +298,10 @@ class SqliteStore:
         status, attempts, metadata = row
         return AttemptState(status, status == RUNNING and str(attempts) == attempt_id, json.loads(metadata))
 
+    def admit(self, rollout_id: str, attempt_id: str, n: int) -> tuple[AttemptState | None, list[int]]:
+        state = self.attempt_state(rollout_id, attempt_id)
+        return state, [self.next_sequence_id(rollout_id) for _ in range(n)] if state and state.current else []
+
     # ------------------------------------------------------------ spans
 
     def next_sequence_id(self, rollout_id: str) -> int:
@@ -320,11 +331,14 @@ class SqliteStore:
         return max(-1 if written is None else written + 1, reserved[0] if reserved else 0)
 
     def add_spans(self, spans: Sequence[Span]) -> None:
-        self._writer.put(spans)
+        if self._writer is None:
+            self._insert_spans(spans, self._connection())
+        else:
+            self._writer.put(spans)
 
-    def _insert_spans(self, spans: list[Span]) -> None:
-        """One transaction on the writer's connection (the span writer's thread); a span already there is kept."""
-        with _Immediate(self._writer_connection) as conn:
+    def _insert_spans(self, spans: Sequence[Span], connection: sqlite3.Connection | None = None) -> None:
+        """One transaction (on the span writer's connection by default); a span already there is kept."""
+        with _Immediate(connection or self._writer_connection) as conn:
             conn.executemany("INSERT OR IGNORE INTO spans (rollout_id, attempt_id, sequence_id, kind, span) "
                              "VALUES (?, ?, ?, ?, ?)",
                              [(s.rollout_id, s.attempt_id, s.sequence_id, s.kind, s.model_dump_json()) for s in spans])
@@ -333,7 +347,8 @@ class SqliteStore:
         return f"spans cannot be written to the SQLite store {self.path}: {type(error).__name__}: {error}"
 
     def flush(self) -> None:
-        self._writer.flush()
+        if self._writer is not None:
+            self._writer.flush()
 
     # ------------------------------------------------------------ reading
 
@@ -396,7 +411,8 @@ class SqliteStore:
         if self._closed:
             return
         try:
-            self._writer.stop(timeout_s=30)
+            if self._writer is not None:
+                self._writer.stop(timeout_s=30)
         finally:
             self._close_connections()
             self._sequence.clear()
