@@ -113,8 +113,9 @@ class TranslatedApis:
     # ------------------------------------------------------------ ended attempts
 
     def _start_sweeper(self) -> None:
-        # Started on the serving loop by its first Responses call; it ends with that loop.
-        if self._sweeper is None:
+        # Started on the serving loop by its first Responses call; it ends with that loop (a gateway served
+        # again starts it on its new loop).
+        if self._sweeper is None or self._sweeper.done():
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
 
     async def _sweep(self) -> None:
