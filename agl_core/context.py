@@ -10,21 +10,27 @@ from pydantic import BaseModel
 
 from agl_core.components import Components
 from agl_core.config import Recipe
-from agl_core.plugins import PluginError, PluginSet, call
+from agl_core.plugins import PluginError, PluginSet, call, did_you_mean
 
 
 @dataclass
 class TrainContext:
     """What a hook may read (and the few fields it may set) during a run.
 
+    ``config`` is the validated recipe; :meth:`plugin_config` a plugin's own
+    validated section. ``plugins`` is the run's :class:`~agl_core.plugins.PluginSet`
+    and ``components`` the estimators, losses, aggregators, stores and actor
+    transforms the active plugins registered (``components.get(kind, name)``).
+    ``run_dir`` is the run directory, this trainer's alone during the run.
     ``world_size`` is set by the backend in ``on_train_start``: rows are padded
     to a multiple of it and balanced over it. ``step_metrics`` collects the
     metrics that hooks report during the current step; the loop logs them.
-    ``state`` is free space for plugins, keyed by plugin name. ``slots`` holds
-    the resolved slot implementations; call them with :meth:`call`.
-    ``run_id`` is the id of the run (``<run_dir>/run.json``), set before any
-    checkpoint is loaded; ``step`` is the step the run resumed from (0 for a
-    fresh start) until the loop starts counting.
+    ``state`` is free space for plugins, keyed by plugin name. ``slots`` maps
+    each resolved slot hook to ``(plugin name, call)``; call them with
+    :meth:`call`. ``run_id`` is the id of the run (``<run_dir>/run.json``),
+    set before any checkpoint is loaded; ``step`` is the step the run resumed
+    from (0 for a fresh start) until the loop starts counting, then the
+    current step (from 1); ``epoch`` the current epoch.
     """
 
     config: Recipe
@@ -49,11 +55,19 @@ class TrainContext:
         return self.step + 1 if self.step else 0
 
     def plugin_config(self, name: str) -> BaseModel:
-        """The validated recipe section ``plugins.<name>``."""
-        return self.config.plugin_config[name]
+        """The validated recipe section ``plugins.<name>`` (a method: ``ctx.plugin_config("lora")``)."""
+        try:
+            return self.config.plugin_config[name]
+        except KeyError:
+            raise PluginError(f"plugin {name!r} has no settings in this run: it is not active or defines no "
+                              f"plugin_config_schema{did_you_mean(name, self.config.plugin_config)}") from None
 
     def call(self, hook: str, **kwargs: Any) -> Any:
-        """Call the implementation that fills slot ``hook`` (``ctx`` is passed for you)."""
+        """Call the implementation that fills slot ``hook`` (``ctx`` is passed for you).
+
+        It goes through pluggy, so the hook's wrappers wrap it, and its result
+        is checked (:meth:`agl_core.plugins.PluginSet.call`).
+        """
         try:
             _, fn = self.slots[hook]
         except KeyError:

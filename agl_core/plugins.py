@@ -109,8 +109,13 @@ class Plugin:
         return getattr(self.obj, "AGL_ORDER", DEFAULT_ORDER)
 
 
+def env_flag(name: str) -> bool:
+    """Whether the environment variable ``name`` is set to something other than empty, ``0`` or ``false``."""
+    return os.environ.get(name, "").strip() not in ("", "0", "false")
+
+
 def autoload_disabled() -> bool:
-    return os.environ.get("AGL_DISABLE_PLUGIN_AUTOLOAD", "").strip() not in ("", "0", "false")
+    return env_flag("AGL_DISABLE_PLUGIN_AUTOLOAD")
 
 
 def parse_plugin_flags(flags: Iterable[str]) -> tuple[list[str], list[str]]:
@@ -306,7 +311,7 @@ class PluginSet:
                 cls._admit(plugin, manager, active=True)
         pset = cls(plugins, manager)
         pset._check_enabled(enable)
-        if os.environ.get(TRACE_ENV, "").strip() not in ("", "0", "false"):
+        if env_flag(TRACE_ENV):
             trace_hooks(manager)
         return pset
 
