@@ -119,13 +119,17 @@ class Backend:
         """Copy the actor's weights into the serving copy, between two generation batches; they are ``version``'s.
 
         A generation batch holds the serving lock, so every response is made
-        by one version of the weights and reports it.
+        by one version of the weights and reports it. Only the weights the
+        optimizer updates are copied (an adapter's, when a transform froze the
+        rest).
         """
         if self.serving is None:
             raise RuntimeError("sync_weights: the backend serves the actor itself (serve_a_copy was not called)")
+        served = dict(self.serving.named_parameters())
         with self.lock, self.serving_lock:
-            for target, source in zip(self.serving.state_dict().values(), self.actor.state_dict().values()):
-                target.copy_(source)
+            for name, param in self.actor.named_parameters():
+                if param.requires_grad:
+                    served[name].copy_(param)
             self.serving_version = version
 
     def set_weight_version(self, version: int) -> None:
