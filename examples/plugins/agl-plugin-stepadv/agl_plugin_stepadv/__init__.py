@@ -11,6 +11,8 @@ or on the command line: ``agl train recipe.yaml -p stepadv algorithm.estimator=s
 
 from __future__ import annotations
 
+import functools
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from agl_core import HOOK_API_VERSION, hookimpl
@@ -31,12 +33,14 @@ class StepAdvConfig(BaseModel):
     columns: list[str] = Field(
         default_factory=lambda: ["critic/score/mean_before_processing", "val/reward/mean", "actor/pg_loss"],
         min_length=1, description="the metrics written, one column each, in this order")
+    epsilon: float = Field(1e-6, gt=0, description="step_grpo: added to a group's std before dividing by it")
 
 
-def step_grpo(batch, config):
-    """The estimator ``step_grpo``: ``algorithm.norm_adv_by_std_in_grpo`` chooses the std division, as for grpo."""
+def step_grpo(batch, config, epsilon: float):
+    """The estimator ``step_grpo``: ``algorithm.norm_adv_by_std_in_grpo`` chooses the std division, as for grpo;
+    ``epsilon`` is the plugin's setting, bound at registration."""
     return step_group_advantages(batch["token_level_rewards"], batch["response_mask"], batch["uid"],
-                                 batch["turn_index"], norm_by_std=config.norm_adv_by_std_in_grpo)
+                                 batch["turn_index"], norm_by_std=config.norm_adv_by_std_in_grpo, epsilon=epsilon)
 
 
 @hookimpl
@@ -45,8 +49,11 @@ def plugin_config_schema():
 
 
 @hookimpl
-def register_estimators(register):
-    register("step_grpo", step_grpo)
+def register_estimators(register, settings):
+    # The estimator is called with the algorithm section only: its own setting is bound here. settings is None
+    # when the plugin set was loaded without a recipe (agl doctor alone): the defaults then.
+    epsilon = (settings or StepAdvConfig()).epsilon
+    register("step_grpo", functools.partial(step_grpo, epsilon=epsilon))
 
 
 @hookimpl

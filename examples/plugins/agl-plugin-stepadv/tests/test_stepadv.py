@@ -64,6 +64,19 @@ def test_a_resumed_run_keeps_each_step_once(tmp_path):
     assert rows == [["step", "a", "b"], ["0", "0", ""], ["1", "0.5", ""], ["2", "7", "1"]]
 
 
+def test_the_estimator_reads_its_plugin_setting(tmp_path):
+    """plugins.stepadv.epsilon reaches step_grpo (bound at registration): a large one shrinks the advantages."""
+    from agl_core.testing.contracts import contract_env, example_batch
+
+    def advantages(run, *overrides):
+        env = contract_env(tmp_path / run, "stepadv", None, list(overrides))
+        batch = example_batch()
+        return env.ctx.components.get("estimator", "step_grpo").obj(batch, env.recipe.algorithm)[0]
+
+    default, damped = advantages("a"), advantages("b", "plugins.stepadv.epsilon=10")
+    assert damped.abs().sum() < default.abs().sum() / 5
+
+
 class TestStepAdvPlugin(PluginContract):
     @pytest.fixture
     def plugin_name(self):
