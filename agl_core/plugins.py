@@ -218,17 +218,18 @@ def validate_hookimpls(plugin: Plugin, manager: pluggy.PluginManager) -> list[st
 def unmarked_hooks(obj: Any, manager: pluggy.PluginManager) -> list[str]:
     """A warning for each function of ``obj`` named like a hook but not marked with ``@hookimpl``.
 
-    Only functions defined by the plugin itself count (for a module, those
-    whose ``__module__`` is the module), so an imported helper that happens to
-    share a hook's name (``validate``) is not reported.
+    Only functions defined where the plugin is (the module itself, or the
+    module of the plugin object's class) count, so an imported helper or an
+    inherited library method that happens to share a hook's name
+    (``validate``) is not reported.
     """
-    own_module = obj.__name__ if inspect.ismodule(obj) else None
+    own_module = obj.__name__ if inspect.ismodule(obj) else type(obj).__module__
     found = []
     for name in sorted(HOOK_KINDS):
         fn = getattr(obj, name, None)
         if fn is None or not callable(fn) or manager.parse_hookimpl_opts(obj, name) is not None:
             continue
-        if own_module is not None and getattr(fn, "__module__", None) != own_module:
+        if getattr(fn, "__module__", None) != own_module:
             continue
         if not (inspect.isfunction(fn) or inspect.ismethod(fn)):
             continue
