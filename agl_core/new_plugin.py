@@ -70,6 +70,7 @@ def render(name: str, hooks: list[str], output: Path) -> Path:
     copier.run_copy(str(TEMPLATE), output, data={
         "name": name, "hooks": hooks, "agl_core_version": ".".join(__version__.split(".")[:2]),
         "description": f"The agl_core plugin {name}",
+        "hook_docs": {hook: TEMPLATED_HOOKS[hook].replace("NAME", name) for hook in hooks},
     }, defaults=True, quiet=True, unsafe=False, overwrite=True)
     return output
 
