@@ -38,10 +38,16 @@ class Generated:
     weight_version: int
 
 
+TokenCallback = Callable[[int, Sample], None]
+"""Called from the engine's thread with a row of a request and its sample, each time the row gets a token."""
+
+
 @dataclass
 class _Job:
     prompts: Sequence[Sequence[int]]
     params: Sequence[SamplingParams]
+    on_token: TokenCallback | None = None
+    streamed: bool = False  # a token of it went out: it cannot be generated again
     future: Future = field(default_factory=Future)
 
 
@@ -80,14 +86,19 @@ class Engine:
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(RuntimeError("the policy engine stopped"))
 
-    def submit(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> Future:
+    def submit(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
+               on_token: TokenCallback | None = None) -> Future:
         """Queue the generation of ``prompts`` (one params each); the future resolves to :class:`Generated`.
 
         Cancelling the future before the worker takes the request drops it.
+        ``on_token(row, sample)`` is called, from the engine's thread, each
+        time a row of this request gets a token (streaming), before the future
+        resolves; a streamed request whose batch fails fails with it (its
+        tokens went out: it is not generated again alone).
         """
         if self._stopping.is_set():
             raise RuntimeError("the policy engine stopped")
-        job = _Job(prompts, params)
+        job = _Job(prompts, params, on_token)
         self._queue.put(job)
         return job.future
 
@@ -112,6 +123,9 @@ class Engine:
                 # One request's failure must not fail the others batched with it: each runs again alone.
                 log.exception("generation of a batch of %d requests failed; running each alone", len(jobs))
                 for job in jobs:
+                    if job.streamed:
+                        self._fail(job, exc)
+                        continue
                     try:
                         self._run([job])
                     except Exception as error:
@@ -141,7 +155,8 @@ class Engine:
             start = time.thread_time()
             version = self.weight_version()
             samples = generate(self.model, prompts, params, eos_token_ids=self.eos_token_ids,
-                               pad_token_id=self.pad_token_id, decode=self.decode, generator=self.generator)
+                               pad_token_id=self.pad_token_id, decode=self.decode, generator=self.generator,
+                               on_step=_streamer(jobs))
             self.batches += 1
             self.busy_cpu_s += time.thread_time() - start
         start = 0
@@ -149,3 +164,24 @@ class Engine:
             job.future.set_result(Generated(samples[start:start + len(job.prompts)], version))
             start += len(job.prompts)
 
+
+
+def _streamer(jobs: list[_Job]) -> Callable[[list[Sample], list[int]], None] | None:
+    """The ``on_step`` of a batch: each row that got a token, passed to its request's ``on_token``."""
+    owners: dict[int, tuple[_Job, int]] = {}
+    start = 0
+    for job in jobs:
+        if job.on_token is not None:
+            owners.update({start + i: (job, i) for i in range(len(job.prompts))})
+        start += len(job.prompts)
+    if not owners:
+        return None
+
+    def on_step(samples: list[Sample], rows: list[int]) -> None:
+        for row in rows:
+            owner = owners.get(row)
+            if owner is not None:
+                job, index = owner
+                job.streamed = True
+                job.on_token(index, samples[row])
+    return on_step

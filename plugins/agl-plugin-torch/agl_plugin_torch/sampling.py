@@ -127,7 +127,8 @@ class _Rows:
 @torch.no_grad()
 def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], *,
              eos_token_ids: Sequence[int], pad_token_id: int, decode: Callable[[list[int]], str],
-             generator: torch.Generator | None = None) -> list[Sample]:
+             generator: torch.Generator | None = None,
+             on_step: Callable[[list[Sample], list[int]], None] | None = None) -> list[Sample]:
     """Sample a continuation of every prompt; one :class:`Sample` per prompt, in order.
 
     A row ends on an EOS token (unless ``ignore_eos``), one of its
@@ -135,7 +136,10 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], params: S
     (finish reason ``"stop"``), or after ``max_tokens`` tokens (``"length"``).
     Unseeded rows draw from ``generator`` in row order; a seeded row draws
     from its own generator, so its sample does not depend on the batch it
-    was in. ``decode(ids)`` must drop special tokens.
+    was in. ``decode(ids)`` must drop special tokens. ``on_step(samples,
+    rows)``, when given, is called after each step with the rows that got a
+    token in it (their last token, log-prob and alternatives are the new ones):
+    what streaming reads.
     """
     device = next(model.parameters()).device
     rows = _Rows(params, device)
@@ -174,6 +178,8 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], params: S
                 sample.finish_reason, texts[row] = STOP, text
             elif len(sample.token_ids) < p.max_tokens:
                 still.append(row)
+        if on_step is not None:
+            on_step(samples, active)
         active = still
         if not active:
             break

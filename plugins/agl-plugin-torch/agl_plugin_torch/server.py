@@ -13,11 +13,11 @@ Sampling parameters: ``max_tokens`` / ``max_completion_tokens``,
 ``temperature`` (0: greedy), ``top_p``, ``top_k``, ``stop``,
 ``stop_token_ids``, ``ignore_eos``, ``seed``, ``n``.
 
-``stream: true`` is answered with server-sent events in vLLM's layout
-(:func:`agl_core.gateway.streaming.chunks_of`: token ids and log-probs in the
-chunks, ``stream_options.include_usage`` honored), once the whole answer is
-generated: the engine generates in batches, so the first chunk comes when the
-answer is done (no earlier first token than a call not streamed).
+``stream: true`` is answered with server-sent events in vLLM's layout, a
+chunk per token as the engine generates it (its id and log-prob, and its text
+unless a stop string could still cut it or tools are offered), then per
+choice the rest and the finish reason (:mod:`agl_plugin_torch.streaming`);
+``stream_options.include_usage`` is honored.
 
 Tools: a chat request's ``tools``, ``tool_choice`` and ``tool``-role messages
 are rendered by the model's chat template, and the model's calls parsed back
@@ -53,8 +53,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from transformers import PreTrainedTokenizerBase
 
-from agl_core.gateway.capture import CHAT, COMPLETIONS
-from agl_core.gateway.streaming import DONE_EVENT, EVENT_STREAM, chunks_of, dumps, include_usage, sse_event
+from agl_core.gateway.streaming import EVENT_STREAM
 from agl_core.http_rules import (POLICY_TOKEN_ENV, RequestError, check_bearer, check_sampling, error_response,
                                  health_response, parse_json_object, policy_token, read_body,
                                  require_token_off_loopback)
@@ -63,6 +62,7 @@ from agl_core.http_server import ServerThread
 from agl_plugin_torch.engine import Engine, Generated
 from agl_plugin_torch.sampling import SamplingParams
 from agl_plugin_torch.settings import ServingConfig
+from agl_plugin_torch.streaming import TokenStream, logprob_entry
 from agl_plugin_torch.tools import (forced_function, forced_opening, offered_tools, parse_forced_call,
                                     parse_tool_calls, template_messages, tool_format)
 
@@ -160,18 +160,26 @@ class PolicyServer:
             params = self._params(body, len(prompt_ids), chat)
         except RequestError as exc:
             return error_response(exc.status, str(exc))
+        if chat:
+            def finish(generated: Generated) -> dict[str, Any]:
+                return self._chat_response(body, prompt_ids, generated, tools, opening)
+        else:
+            def finish(generated: Generated) -> dict[str, Any]:
+                return self._completion_response(body, prompt_ids, generated)
+        if body.get("stream"):
+            stream = TokenStream(body, chat, prompt_ids, len(params), params[0].stop, self.engine.decode,
+                                 self._token_text, stream_text=not tools, model=body.get("model") or self.model_name)
+            try:
+                future = self.engine.submit([prompt_ids] * len(params), params, on_token=stream.on_token)
+            except RuntimeError as exc:
+                return error_response(503, str(exc))
+            future.add_done_callback(stream.on_done)
+            return StreamingResponse(stream.events(future, finish), media_type=EVENT_STREAM)
         try:
             generated: Generated = await asyncio.wrap_future(self.engine.submit([prompt_ids] * len(params), params))
         except Exception as exc:  # noqa: BLE001 - reported to the client, logged by the engine
             return error_response(500, f"generation failed: {exc!r}")
-        if chat:
-            response = self._chat_response(body, prompt_ids, generated, tools, opening)
-        else:
-            response = self._completion_response(body, prompt_ids, generated)
-        if body.get("stream"):
-            chunks = chunks_of(CHAT if chat else COMPLETIONS, response, include_usage(body))
-            return StreamingResponse(_events(chunks), media_type=EVENT_STREAM)
-        return JSONResponse(response)
+        return JSONResponse(finish(generated))
 
     # ------------------------------------------------------------ requests
 
@@ -268,9 +276,9 @@ class PolicyServer:
             content = []
             for i, (token, logprob) in enumerate(zip(sample.token_ids, sample.logprobs)):
                 text = self._token_text(token)
-                alternatives = [_token_logprob(self._token_text(t), lp)
+                alternatives = [logprob_entry(self._token_text(t), lp)
                                 for t, lp in (sample.top_logprobs[i] if sample.top_logprobs else [])]
-                content.append({**_token_logprob(text, logprob), "top_logprobs": alternatives})
+                content.append({**logprob_entry(text, logprob), "top_logprobs": alternatives})
             message: dict[str, Any] = {"role": "assistant", "content": sample.text}
             finish_reason = sample.finish_reason
             if tools:
@@ -302,16 +310,6 @@ class PolicyServer:
 
     def _envelope(self, body: dict[str, Any]) -> dict[str, Any]:
         return {"created": int(time.time()), "model": body.get("model") or self.model_name}
-
-
-async def _events(chunks: list[dict[str, Any]]):
-    for chunk in chunks:
-        yield sse_event(dumps(chunk))
-    yield DONE_EVENT
-
-
-def _token_logprob(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
 def _usage(prompt_ids: list[int], generated: Generated) -> dict[str, int]:

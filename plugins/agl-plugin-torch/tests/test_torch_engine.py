@@ -63,3 +63,22 @@ def test_a_seed_of_any_size_samples_like_torch_seeds_it(backend, seed, same_as):
     drawn = sample(backend, [ids, ids], [SamplingParams(max_tokens=6, seed=seed, ignore_eos=True),
                                          SamplingParams(max_tokens=6, seed=same_as, ignore_eos=True)])
     assert drawn[0].token_ids == drawn[1].token_ids
+
+
+def test_a_streamed_request_hears_of_each_token_as_it_is_generated(backend, engine):
+    ids = prompt(backend, "guess a number")
+    heard, resolved_when = [], []
+    params = [SamplingParams(max_tokens=5, ignore_eos=True, seed=s) for s in (1, 2)]
+
+    def on_token(row, sample):
+        heard.append((row, sample.token_ids[-1], sample.logprobs[-1], len(sample.token_ids)))
+
+    streamed = engine.submit([ids, ids], params, on_token=on_token)
+    plain = engine.submit([ids], [GOOD])  # batched with it: no calls for it
+    streamed.add_done_callback(lambda _: resolved_when.append(len(heard)))
+    samples = streamed.result(timeout=60).samples
+    assert plain.result(timeout=60).samples
+    assert resolved_when == [10]  # every token was heard before the request resolved
+    for row, sample in enumerate(samples):
+        mine = [(token, logprob, count) for r, token, logprob, count in heard if r == row]
+        assert mine == [(t, lp, i + 1) for i, (t, lp) in enumerate(zip(sample.token_ids, sample.logprobs))]

@@ -3,6 +3,7 @@ streamed call and the same call not streamed give the same token ids and record 
 
 from __future__ import annotations
 
+import pytest
 from openai import OpenAI
 
 from agl_core.builtin.memory_store import MemoryStore
@@ -10,6 +11,8 @@ from agl_core.config import GatewayConfig
 from agl_core.data import Task
 from agl_core.gateway import Gateway
 from agl_core.store import NewRollout
+
+from agl_plugin_torch.streaming import TextDeltas
 
 MESSAGES = [{"role": "user", "content": "guess a number"}, {"role": "assistant", "content": "5"},
             {"role": "user", "content": "higher"}]
@@ -35,7 +38,10 @@ def test_completions_stream_too(served, client):
     whole = client.completions.create(**kwargs)
     chunks = list(client.completions.create(**kwargs, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
-    assert chunks[0].choices[0].model_extra["token_ids"] == whole.choices[0].model_extra["token_ids"]
+    assert [t for c in chunks for t in c.choices[0].model_extra.get("token_ids") or []] == \
+        whole.choices[0].model_extra["token_ids"]
+    assert chunks[0].choices[0].model_extra["prompt_token_ids"] == whole.choices[0].model_extra["prompt_token_ids"]
+    assert [c.choices[0].finish_reason for c in chunks][-1] == whole.choices[0].finish_reason
 
 
 def test_through_the_gateway_streamed_and_not_record_identical_spans(served):
@@ -60,3 +66,51 @@ def test_through_the_gateway_streamed_and_not_record_identical_spans(served):
     assert streamed.response_token_ids == plain.response_token_ids and len(plain.response_token_ids) > 0
     assert streamed.response_logprobs == plain.response_logprobs
     assert streamed.attributes["weight_version"] == plain.attributes["weight_version"] == 0
+
+
+def test_tokens_are_streamed_one_chunk_each_as_they_come(served, client):
+    chunks = list(client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=7, seed=1,
+                                                 extra_body={"ignore_eos": True}, stream=True))
+    with_tokens = [c for c in chunks if c.choices and c.choices[0].model_extra.get("token_ids")]
+    assert len(with_tokens) == 7 and all(len(c.choices[0].model_extra["token_ids"]) == 1 for c in with_tokens)
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].model_extra["weight_version"] == 0
+
+
+def test_with_tools_the_text_waits_and_the_call_comes_at_the_end(tmp_path):
+    from agl_plugin_torch.backend import create
+    from agl_plugin_torch.settings import TorchConfig
+    from agl_plugin_torch.testing import tiny_section
+
+    section = tiny_section()
+    section["model"]["build"]["vocabulary"] = ["1", "2", "3", "guess", "number", "[", "(", "=", ")]"]
+    backend = create(TorchConfig.model_validate(section), tmp_path, seed=0, with_critic=False)
+    backend.start_serving("policy")
+    try:
+        tool = {"type": "function", "function": {"name": "guess", "parameters": {
+            "type": "object", "properties": {"number": {"type": "integer"}}, "required": ["number"]}}}
+        client = OpenAI(base_url=backend.url, api_key="unused", max_retries=0, timeout=60)
+        kwargs = dict(model="policy", messages=[{"role": "user", "content": "guess a number"}], tools=[tool],
+                      tool_choice="required", max_tokens=1, temperature=0)
+        whole = client.chat.completions.create(**kwargs).choices[0]
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    finally:
+        backend.stop_serving()
+    deltas = [c.choices[0].delta for c in chunks]
+    assert all(not d.content and not d.tool_calls for d in deltas[:-1])  # the answer may be a call: it waits
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason
+    if whole.message.tool_calls:
+        assert deltas[-1].tool_calls[0].function.arguments == whole.message.tool_calls[0].function.arguments
+    else:  # the greedy model wrote a value no call takes: the text, opening included, at the end
+        assert deltas[-1].content == whole.message.content and whole.message.content.startswith("[guess(number=")
+
+
+@pytest.mark.parametrize("stop, final", [((), "hello worldly"), (("world",), "hello "), (("ly", "o w"), "hell")])
+def test_streamed_text_never_runs_past_where_a_stop_string_cuts_it(stop, final):
+    pieces = ["he", "llo", " wor", "ldly"]  # the last token runs past the stop string "world"
+
+    def decode(ids):
+        return "".join(pieces[i] for i in ids)
+
+    deltas = TextDeltas(decode, stop)
+    sent = "".join(deltas.add(list(range(k + 1))) for k in range(len(pieces)))
+    assert final.startswith(sent) and sent + deltas.rest(final) == final
