@@ -287,10 +287,10 @@ class Gateway:
             await held.aclose()
             raise
         if isinstance(opened, Forwarded):
+            await held.aclose()  # the whole answer is in: no weight sync can change it any more
             status, tries = opened.status, opened.tries
             response, error = _parsed(opened)
             if error is not None:
-                await held.aclose()
                 common = self._span_attributes(endpoint, upstream, status, tries, state, weight_version)
                 spans = _answer_spans(rollout_id, attempt_id, sequence_ids, endpoint, body, response, error, common,
                                       start, time.time())
