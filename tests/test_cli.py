@@ -154,3 +154,16 @@ def test_plugins_json_verbose_and_doctor_without_a_recipe(tmp_path):
     assert any(line.split() == ["memory", "memory_store"] for line in lines)
     assert any(line.split() == ["transition", "traces", "(not", "active:", "-p", "traces)"] for line in lines)
     assert "loggers (log_metrics):" in out.stdout and "  console" in lines
+
+
+def test_every_subcommand_parses_options_between_its_positionals():
+    from agl_core.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["export", "RUN", "k=v", "--merged", "OUT", "-p", "x", "j=w"])
+    assert (args.run_dir, args.overrides, args.merged, args.plugin_flags) == ("RUN", ["k=v", "j=w"], "OUT", ["x"])
+    args = parser.parse_args(["doctor", "-p", "no:console", "R.yaml", "a=1", "-p", "x"])
+    assert (args.recipe, args.overrides, args.plugin_flags) == ("R.yaml", ["a=1"], ["no:console", "x"])
+    args = parser.parse_args(["new-plugin", "mine", "--hook", "log_metrics", "-o", "out", "--hook", "advantage"])
+    assert (args.name, args.hook, args.output) == ("mine", ["log_metrics", "advantage"], "out")
+    assert parser.parse_args(["new-plugin", "mine"]).hook == []
