@@ -13,9 +13,15 @@ from __future__ import annotations
 
 import collections
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
+import torch
 
 from agl_core.config import load
 from agl_core.data import Task
@@ -145,14 +151,6 @@ def test_k0_builds_no_pipeline_and_an_async_checkpoint_does_not_resume_synchrono
 
 def test_an_async_run_killed_after_a_checkpoint_resumes_its_carried_over_batch(tmp_path):
     """kill -9 of a training process (SQLite store) right after its step-2 checkpoint; a new process resumes."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import torch
-
     sections = {"rollout": {"n": N, "store": "sqlite"},
                 "plugins": {"torch": tiny_section(), "traces": {"aggregator": "trajectory"},
                             "sqlite": {"path": str(tmp_path / "rollouts.sqlite")}}}
@@ -162,8 +160,8 @@ def test_an_async_run_killed_after_a_checkpoint_resumes_its_carried_over_batch(t
     tasks = tmp_path / "train.jsonl"  # the tasks the in-process runs get, for the process
     tasks.write_text("".join(task.model_dump_json() + "\n" for task in TASKS))
     proc = subprocess.Popen([sys.executable, "-m", "agl_core.cli", "train", path, *common,
-                             f"data.train_files=[{tasks}]", "trainer.progress=false"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=open(tmp_path / "killed.log", "w"))  # noqa: SIM115
+                             f"data.train_files=[{tasks}]", "trainer.progress=false"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "killed.log", "w"))  # noqa: SIM115
     checkpoint = tmp_path / "run" / "checkpoints" / "global_step_2"
     deadline = time.monotonic() + 240
     while not checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
