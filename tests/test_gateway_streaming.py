@@ -138,6 +138,12 @@ def test_refusals_come_before_the_stream_with_a_4xx_and_write_nothing(store, gat
     with pytest.raises(openai.BadRequestError, match="'n'"):
         list(client(server, "streamed").chat.completions.create(
             model="m", messages=[{"role": "user", "content": "x"}], n=10_000, stream=True))
+    for extra, field in (({"stream": "yes"}, "'stream' must be true or false"),
+                         ({"stream_options": "usage"}, "'stream_options' must be an object"),
+                         ({"stream_options": {"include_usage": 1}}, "'stream_options.include_usage'")):
+        with pytest.raises(openai.BadRequestError, match=field):
+            client(server, "streamed").chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "x"}], extra_body=extra)
     assert llm_spans(store, "streamed") == []
 
 

@@ -41,8 +41,8 @@ from agl_core.config import GatewayConfig
 from agl_core.data import Span
 from agl_core.gateway.api_routes import TranslatedApis
 from agl_core.gateway.capture import CHAT, COMPLETIONS, Captured, ask_for_tokens, capture, without_token_fields
-from agl_core.gateway.streaming import (EVENT_STREAM, CallStream, EventStreamResponse, chunks_of, dumps,
-                                       include_usage, one_batch, sse_batches)
+from agl_core.gateway.streaming import (EVENT_STREAM, CallStream, EventStreamResponse, check_stream_fields,
+                                       chunks_of, dumps, include_usage, one_batch, sse_batches)
 from agl_core.gateway.tools import check_tools
 from agl_core.gateway.upstream import Forwarded, Opened, Upstreams, open_with_retries, post_with_retries
 from agl_core.gateway.weight_sync import CallGate
@@ -336,6 +336,7 @@ class Gateway:
         elif not isinstance(body.get("prompt"), str):
             raise RequestError(400, "'prompt' must be a string (token-id and batched prompts are not supported)")
         check_sampling(body, max_n=self.config.max_n, logprobs_key="top_logprobs" if endpoint == CHAT else "logprobs")
+        check_stream_fields(body)
 
     def _admit(self, rollout_id: str, attempt_id: str, n: int) -> tuple[AttemptState, list[int]]:
         """The running attempt's state and a sequence id per choice; RequestError when the attempt is not running."""

@@ -24,6 +24,7 @@ import aiohttp
 import anyio
 
 from agl_core.gateway.capture import CHAT
+from agl_core.http_rules import RequestError
 
 DONE = b"[DONE]"
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -227,6 +228,20 @@ def chunks_of(endpoint: str, response: dict[str, Any], include_usage: bool) -> l
     if include_usage and response.get("usage") is not None:
         chunks.append({**top, "choices": [], "usage": response["usage"]})
     return chunks
+
+
+def check_stream_fields(body: dict[str, Any]) -> None:
+    """RequestError 400 naming ``stream`` or ``stream_options`` when a request sets them to something else than
+    a boolean and an object with a boolean ``include_usage``."""
+    if not isinstance(body.get("stream", False), bool | None):
+        raise RequestError(400, f"'stream' must be true or false, got {type(body['stream']).__name__}")
+    options = body.get("stream_options")
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise RequestError(400, f"'stream_options' must be an object, got {type(options).__name__}")
+    if not isinstance(options.get("include_usage", False), bool | None):
+        raise RequestError(400, "'stream_options.include_usage' must be true or false")
 
 
 def include_usage(body: dict[str, Any]) -> bool:
