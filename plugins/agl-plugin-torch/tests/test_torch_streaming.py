@@ -114,3 +114,36 @@ def test_streamed_text_never_runs_past_where_a_stop_string_cuts_it(stop, final):
     deltas = TextDeltas(decode, stop)
     sent = "".join(deltas.add(list(range(k + 1))) for k in range(len(pieces)))
     assert final.startswith(sent) and sent + deltas.rest(final) == final
+
+
+def test_an_agent_that_leaves_mid_stream_through_the_gateway_leaves_an_incomplete_span(served, monkeypatch):
+    """The tiny model made slow (20 ms a forward pass, as a real model on a CPU would be) so that the agent leaves
+    while tokens are still being generated."""
+    import time
+
+    forward = served.actor.forward
+
+    def slow(*args, **kwargs):
+        time.sleep(0.02)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(served.actor, "forward", slow)
+    store = MemoryStore()
+    store.enqueue([NewRollout("r1", Task(id="t", input={}))])
+    store.dequeue("w", lease_s=60)
+    server = Gateway(store, GatewayConfig(), upstreams=[served.url]).serve()
+    try:
+        llm = OpenAI(base_url=Gateway.base_url(server.url, "r1", "1"), api_key="unused", max_retries=0, timeout=60)
+        with llm.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=40, stream=True,
+                                         extra_body={"ignore_eos": True}) as stream:
+            for count, _ in enumerate(stream):
+                if count == 3:
+                    break
+        deadline = time.time() + 10
+        while not store._entries["r1"].spans and time.time() < deadline:
+            time.sleep(0.02)
+    finally:
+        server.stop()
+    [span] = store._entries["r1"].spans
+    assert span.attributes["incomplete"] is True and "error" not in span.attributes
+    assert 0 < len(span.response_token_ids) < 40 and len(span.response_logprobs) == len(span.response_token_ids)
