@@ -168,11 +168,15 @@ class TranslatedEventStream(EventStreamResponse):
         frames: list[bytes] = []
         try:
             frames = events.start()
-            async for chunk in stream:
-                frames += events.add(chunk.data)
+            # Every chunk that has arrived, translated, goes out in one write (as the chat relay does).
+            while batch := await stream.next_batch():
+                for chunk in batch:
+                    frames += events.add(chunk.data)
                 if frames:
                     await send({"type": "http.response.body", "body": b"".join(frames), "more_body": True})
                     frames = []
+        except ValueError:
+            pass  # a chunk that is not a JSON object: closing the stream finds it and sets its error
         finally:
             await stream.close()
         error = stream.error or stream.record_error
