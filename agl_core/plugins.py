@@ -356,9 +356,12 @@ class PluginSet:
         ones last, the rest in registration order. Each :class:`HookCall` goes
         through pluggy, so the hook's wrappers wrap it.
         """
-        impls = [impl for impl in getattr(self.manager.hook, hook).get_hookimpls() if not _is_wrapper(impl)]
-        impls.sort(key=lambda impl: 0 if impl.tryfirst else 2 if impl.trylast else 1)
+        impls = sorted(self._impls(hook), key=_tier)
         return [(impl.plugin_name, HookCall(self, hook, impl.plugin_name)) for impl in impls]
+
+    def _impls(self, hook: str) -> list[pluggy.HookImpl]:
+        """pluggy's active implementations of ``hook``, wrappers left out."""
+        return [impl for impl in getattr(self.manager.hook, hook).get_hookimpls() if not _is_wrapper(impl)]
 
     def caller(self, hook: str, plugin: str) -> pluggy.HookCaller:
         """pluggy's caller of ``hook`` that reaches ``plugin``'s implementation and every wrapper of the hook.
@@ -368,9 +371,7 @@ class PluginSet:
         wrappers, and hook-call monitoring hold. A plugin that both implements
         and wraps the same hook (``specname``) wraps only its own calls.
         """
-        hook_caller = getattr(self.manager.hook, hook)
-        others = [impl.plugin for impl in hook_caller.get_hookimpls()
-                  if impl.plugin_name != plugin and not _is_wrapper(impl)]
+        others = [impl.plugin for impl in self._impls(hook) if impl.plugin_name != plugin]
         return self.manager.subset_hook_caller(hook, others)
 
     def call(self, hook: str, plugin: str, **kwargs: Any) -> Any:
@@ -438,11 +439,11 @@ class PluginSet:
         assert HOOK_KINDS[hook] == PIPELINE, f"{hook} is not a pipeline"
         stages = dict(self.implementations(hook))
         if order is None:
-            tier = {impl.plugin_name: 0 if impl.tryfirst else 2 if impl.trylast else 1
-                    for impl in getattr(self.manager.hook, hook).get_hookimpls() if not _is_wrapper(impl)}
+            tier = {impl.plugin_name: _tier(impl) for impl in self._impls(hook)}
             return sorted(stages.items(), key=lambda s: (tier[s[0]], self.plugins[s[0]].order, s[0]))
         if sorted(order) != sorted(stages):
-            unknown = "".join(f" ({name!r}{did_you_mean(name, stages)})" for name in order if name not in stages)
+            unknown = "".join(f"; {name!r} is not one{did_you_mean(name, stages)}" for name in order
+                              if name not in stages)
             raise PluginError(
                 f"plugins.order.{hook} lists {order}, but the active stages are {sorted(stages)}{unknown}; "
                 f"list each exactly once"
@@ -501,6 +502,11 @@ class HookCall:
 
 def _is_wrapper(impl: pluggy.HookImpl) -> bool:
     return bool(impl.wrapper or impl.hookwrapper)
+
+
+def _tier(impl: pluggy.HookImpl) -> int:
+    """Where ``tryfirst``/``trylast`` put an implementation: 0 first, 1 unmarked, 2 last."""
+    return 0 if impl.tryfirst else 2 if impl.trylast else 1
 
 
 @functools.lru_cache(maxsize=None)
