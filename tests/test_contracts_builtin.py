@@ -24,10 +24,7 @@ TestEstimatorsContract = named("estimators")
 TestConsoleContract = named("console")
 TestJsonlContract = named("jsonl")
 TestTensorboardContract = named("tensorboard")
-TestMemoryStoreContract = named(
-    "memory_store",
-    # In-process: no client retries a write against it, so it keeps what it is given.
-    spans_idempotent=False)
+TestMemoryStoreContract = named("memory_store")
 TestHttpStoreContract = named(
     "http_store",
     not_covered={"register_stores": "TestHttpStore below: the store protocol over a real service per test"})

@@ -36,6 +36,8 @@ class _Entry:
     start_time: float | None = None
     end_time: float | None = None
     spans: list[Span] = field(default_factory=list)
+    span_keys: set[tuple[str | None, int]] = field(default_factory=set)
+    """(attempt id, sequence id) of each span held: a span written again is kept once, as in every store."""
     next_sequence_id: int = 0
 
     @property
@@ -177,7 +179,9 @@ class MemoryStore:
                 entry = self._entries.get(span.rollout_id)
                 if entry is None:
                     raise KeyError(f"span of unknown rollout {span.rollout_id!r}")
-                entry.spans.append(span)
+                if (span.attempt_id, span.sequence_id) not in entry.span_keys:
+                    entry.span_keys.add((span.attempt_id, span.sequence_id))
+                    entry.spans.append(span)
 
     def flush(self) -> None:
         """Nothing to do: spans are in memory as soon as they are added."""

@@ -465,6 +465,22 @@ def check_store_lifecycle(store: Store) -> None:
     assert {r.rollout_id for r in store.query(["queuing"])} == {"b"}
 
 
+def check_store_admit(store: Store) -> None:
+    """``admit``: the attempt's state and, for the running attempt only, ``n`` fresh sequence ids."""
+    store.enqueue([_new("a", agent_name="guesser"), _new("b")])
+    attempt = store.dequeue("w1", lease_s=30)
+    state, ids = store.admit("a", attempt.attempt_id, 2)
+    assert state.current and state.rollout_status == "running" and state.metadata == {"agent_name": "guesser"}, (
+        f"admit of the running attempt must give its state, got {state}")
+    assert len(ids) == 2 and ids == sorted(set(ids)), f"admit must hand out n increasing ids, got {ids}"
+    later = store.next_sequence_id("a")
+    assert later > ids[-1], f"ids after admit must come after its ids, got {later} after {ids}"
+    assert store.admit("a", "2", 3)[1] == [], "admit of an attempt that is not running must hand out no id"
+    state, ids = store.admit("b", "1", 1)
+    assert (state.rollout_status, state.current, ids) == ("queuing", False, []), (state, ids)
+    assert store.admit("nope", "1", 1) == (None, []), "admit of an unknown rollout must give (None, [])"
+
+
 def check_store_refuses_duplicates(store: Store) -> None:
     """A rollout id already in the store is refused with ValueError."""
     store.enqueue([_new("a")])
@@ -554,7 +570,7 @@ def check_store_spans_written_again(store: Store) -> None:
 
 STORE_CHECKS: tuple[Callable[[Store], None], ...] = (
     check_store_lifecycle, check_store_refuses_duplicates, check_store_lease_expiry, check_store_heartbeat,
-    check_store_wait_cancel_release, check_store_many_workers, check_store_spans_written_again,
+    check_store_wait_cancel_release, check_store_many_workers, check_store_spans_written_again, check_store_admit,
 )
 
 
@@ -725,12 +741,7 @@ class StoreContract(_ContractBase):
 
     Fixtures: ``plugin_name`` and ``store_name`` (the store is made by the
     plugin's factory), or override ``store`` to return a fresh store.
-    ``spans_idempotent = False`` declares a store that keeps a span written
-    twice twice (one no client retries against, such as the in-process
-    ``memory`` store); its test is then skipped with that reason, visibly.
     """
-
-    spans_idempotent = True
 
     @pytest.fixture
     def store(self, env, store_name) -> Iterator[Store]:
@@ -757,9 +768,10 @@ class StoreContract(_ContractBase):
         check_store_many_workers(store)
 
     def test_a_span_written_again_is_kept_once(self, store):
-        if not self.spans_idempotent:
-            pytest.skip(f"{type(self).__name__} declares spans_idempotent = False")
         check_store_spans_written_again(store)
+
+    def test_admit(self, store):
+        check_store_admit(store)
 
 
 class LoggerContract(_ContractBase):
@@ -874,8 +886,6 @@ class PluginContract(_ContractBase):
         self._skip_if_declared("register_stores")
         for name in self._each(env, "store"):
             for check in STORE_CHECKS:
-                if check is check_store_spans_written_again and not self.spans_idempotent:
-                    continue  # declared by the class: spans_idempotent = False
                 store = open_store(fresh_env(), name)
                 try:
                     check(store)
