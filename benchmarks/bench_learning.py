@@ -20,7 +20,9 @@ Targets: start reward <= 0.4, every seed reaches 0.9 within 300 s, core share
 <= 5 %, peak RSS <= 3 GB.
 
 With ``--async K`` each seed is trained twice, synchronously and with
-``trainer.async.max_staleness=K``, the two alternated (sync, async, sync, …)
+``trainer.async.max_staleness=K`` and the token-level TIS correction
+(``algorithm.rollout_correction.rollout_is=token``; ``--no-tis`` leaves it
+off), the two alternated (sync, async, sync, …)
 so that both see the same machine; the JSON line holds both sets of figures
 and their ratio. Steps per minute are then wall-clock (``steps_per_min_wall``:
 steps between the first and the last step's record, validations included,
@@ -29,7 +31,7 @@ next step's games queued before it). Goals on 2 cores: steps per minute >= 1.25x
 synchronous, time to validation reward 0.9 no worse than synchronous on every
 seed, final validation reward >= 0.95 on every seed.
 
-    python benchmarks/bench_learning.py [--seeds 0 1 2] [--async K] [overrides ...]
+    python benchmarks/bench_learning.py [--seeds 0 1 2] [--async K [--no-tis]] [overrides ...]
 """
 
 from __future__ import annotations
@@ -123,10 +125,15 @@ def main() -> None:
     parser.add_argument("--async", dest="max_staleness", type=int, default=None, metavar="K",
                         help="also train each seed with trainer.async.max_staleness=K, alternated with a "
                              "synchronous run, and compare")
+    parser.add_argument("--no-tis", action="store_true",
+                        help="with --async: train without the TIS correction (on by default: one-step-stale "
+                             "samples of the default recipe learn worse without it)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. trainer.total_steps=40")
     args = parser.parse_args()
     modes = {"sync": []} if args.max_staleness is None else {
-        "sync": ["trainer.async.max_staleness=0"], "async": [f"trainer.async.max_staleness={args.max_staleness}"]}
+        "sync": ["trainer.async.max_staleness=0"],
+        "async": [f"trainer.async.max_staleness={args.max_staleness}"]
+        + ([] if args.no_tis else ["algorithm.rollout_correction.rollout_is=token"])}
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory(prefix="bench_learning_") as tmp:
         for seed in args.seeds:
@@ -147,6 +154,7 @@ def main() -> None:
         "benchmark": "learning_async",
         "recipe": str(RECIPE.relative_to(ROOT)),
         "max_staleness": args.max_staleness,
+        "async_overrides": modes["async"],
         "seeds": args.seeds,
         "steps_per_min_wall_ratio": None if ratio is None else round(ratio, 3),
         "goal_steps_per_min_ratio_ge_1.25": ratio is not None and ratio >= 1.25,
