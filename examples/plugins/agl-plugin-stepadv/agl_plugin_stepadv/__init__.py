@@ -16,13 +16,12 @@ import functools
 from pydantic import BaseModel, ConfigDict, Field
 
 from agl_core import HOOK_API_VERSION, hookimpl
-from agl_plugin_stepadv.advantages import step_group_advantages
 from agl_plugin_stepadv.csv_logger import drop_steps_from, write_row
 
 AGL_HOOK_API = HOOK_API_VERSION
 NAME = "stepadv"
 
-__all__ = ["StepAdvConfig", "step_group_advantages"]
+__all__ = ["StepAdvConfig"]
 
 
 class StepAdvConfig(BaseModel):
@@ -39,6 +38,9 @@ class StepAdvConfig(BaseModel):
 def step_grpo(batch, config, epsilon: float):
     """The estimator ``step_grpo``: ``algorithm.norm_adv_by_std_in_grpo`` chooses the std division, as for grpo;
     ``epsilon`` is the plugin's setting, bound at registration."""
+    # Imported here, not with the plugin: its math needs torch, which `agl plugins` should not pay for.
+    from agl_plugin_stepadv.advantages import step_group_advantages
+
     return step_group_advantages(batch["token_level_rewards"], batch["response_mask"], batch["uid"],
                                  batch["turn_index"], norm_by_std=config.norm_adv_by_std_in_grpo, epsilon=epsilon)
 

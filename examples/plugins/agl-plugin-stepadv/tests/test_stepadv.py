@@ -9,7 +9,7 @@ import torch
 
 from agl_core.algorithms.advantages import grpo
 from agl_core.testing.contracts import EstimatorContract, LoggerContract, PluginContract
-from agl_plugin_stepadv import step_group_advantages
+from agl_plugin_stepadv.advantages import step_group_advantages
 from agl_plugin_stepadv.csv_logger import drop_steps_from, write_row
 
 REPO = Path(__file__).resolve().parents[4]
