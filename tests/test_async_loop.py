@@ -47,3 +47,9 @@ def test_k0_reproduces_the_synchronous_quickstart_bit_for_bit(tmp_path):
 def test_async_with_a_backend_that_collects_its_own_rollouts_is_refused_at_start(tmp_path):
     with pytest.raises(PluginError, match=r"max_staleness=1 needs a rollout plane.*plugin 'instant'"):
         train(tmp_path / "run", "trainer.async.max_staleness=1", "trainer.total_steps=2")
+
+
+def test_the_tis_correction_without_rollout_log_probs_is_a_clear_error(tmp_path):
+    with pytest.raises(RuntimeError, match="rollout_correction.rollout_is is set, but the batch has no "
+                                           "rollout_log_probs"):
+        train(tmp_path / "run", "algorithm.rollout_correction.rollout_is=token", "trainer.total_steps=1")

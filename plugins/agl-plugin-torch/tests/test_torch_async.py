@@ -188,3 +188,11 @@ def test_an_async_run_killed_after_a_checkpoint_resumes_its_carried_over_batch(t
     requeued = logged(tmp_path / "run")[3].get("async/n_groups_requeued", 0)
     kept = {r.rollout_id for r in steps[3]} & carried_ids
     assert len(kept) == (len(carried[0]["groups"]) - requeued) * N
+
+
+def test_the_tis_correction_weights_the_update_and_reports_its_weights(tmp_path):
+    run(recipe_file(tmp_path), ASYNC + ["trainer.total_steps=2", "algorithm.rollout_correction.rollout_is=token",
+                                        "algorithm.rollout_correction.rollout_is_threshold=1.5"])
+    step = logged(tmp_path / "run")[2]
+    assert 0 < step["rollout_corr/tis_mean"] and step["rollout_corr/tis_max"] >= step["rollout_corr/tis_mean"]
+    assert 0 <= step["rollout_corr/tis_capped_share"] <= 1
