@@ -170,3 +170,26 @@ def test_a_choice_the_backend_cannot_enforce_is_a_400_naming_it(served):
         client.chat.completions.create(model="policy", messages=[
             {"role": "assistant", "content": "", "tool_calls": [
                 {"id": "c", "type": "function", "function": {"name": "guess", "arguments": "{4"}}]}])
+
+
+# ------------------------------------------------------------ the example: a tool-using agent trained on a CPU
+
+def test_the_tool_recipe_trains_a_streaming_tool_using_agent(tmp_path, monkeypatch):
+    """examples/guess_number/recipe_tools.yaml at reduced size: streamed tool calls, recorded, trained on."""
+    from pathlib import Path
+
+    from agl_core.cli import main
+
+    repo = Path(__file__).resolve().parents[3]
+    monkeypatch.chdir(repo)  # the recipe's paths are relative to the repository root
+    run_dir = tmp_path / "run"
+    code = main(["train", "examples/guess_number/recipe_tools.yaml", f"trainer.run_dir={run_dir}",
+                 "trainer.total_steps=1", "trainer.test_freq=1", "trainer.save_freq=0", "trainer.progress=false",
+                 "rollout.n=4", "algorithm.ppo_mini_batch_size=8"])
+    assert code == 0
+    last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["rollout/n_succeeded"] == 28 and last["rollout/n_failed"] == 0
+    assert last["training/n_calls"] >= 28 and last["training/n_calls_error"] == 0
+    assert last["training/n_calls_incomplete"] == 0
+    assert last["training/rollout_logprob_diff/max"] < 1e-4  # the streamed calls' log-probs are the trainer's
+    assert 0 <= last["val/reward/mean"] <= 1
