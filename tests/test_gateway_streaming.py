@@ -249,3 +249,18 @@ def test_a_whole_answer_cut_into_chunks_assembles_back_into_itself(endpoint_name
     for chunk in chunks_of(endpoint_name, response, include_usage=True):
         assembly.add(json.loads(json.dumps(chunk)))
     assert assembly.response() == response
+
+
+def test_a_stream_counts_as_a_call_in_flight_for_a_weight_sync_until_it_ends(store, gateway, endpoint):
+    gw, server = gateway
+    endpoint.token_delay_s = 0.02
+    in_flight = []
+    with client(server, "streamed").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "a few tokens"}], stream=True) as stream:
+        for count, _ in enumerate(stream):
+            if count == 2:
+                in_flight.append(gw.calls.in_flight)  # mid-stream: its weights must not change under it
+    deadline = time.time() + 5
+    while gw.calls.in_flight and time.time() < deadline:
+        time.sleep(0.01)
+    assert in_flight == [1] and gw.calls.in_flight == 0
