@@ -2,7 +2,6 @@
 the test policy endpoint (which streams token ids the way vLLM does) or a server that answers whole behind,
 spans out: the same spans as a non-streamed call, and an incomplete one when the agent leaves mid-stream."""
 
-import asyncio
 import json
 import time
 
@@ -10,7 +9,6 @@ import httpx
 import openai
 import pytest
 from starlette.applications import Starlette
-from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from agl_core.builtin.memory_store import MemoryStore

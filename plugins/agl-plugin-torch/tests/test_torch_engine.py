@@ -79,6 +79,6 @@ def test_a_streamed_request_hears_of_each_token_as_it_is_generated(backend, engi
     samples = streamed.result(timeout=60).samples
     assert plain.result(timeout=60).samples
     assert resolved_when == [10]  # every token was heard before the request resolved
-    for row, sample in enumerate(samples):
+    for row, got in enumerate(samples):
         mine = [(token, logprob, count) for r, token, logprob, count in heard if r == row]
-        assert mine == [(t, lp, i + 1) for i, (t, lp) in enumerate(zip(sample.token_ids, sample.logprobs))]
+        assert mine == [(t, lp, i + 1) for i, (t, lp) in enumerate(zip(got.token_ids, got.logprobs))]
