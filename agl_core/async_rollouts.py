@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,7 +117,10 @@ def plane_of(ctx: TrainContext) -> Plane:
 
 @dataclass
 class Group:
-    """The ``rollout.n`` rollouts of one task in one step: GRPO's group, taken or dropped whole."""
+    """The ``rollout.n`` rollouts of one task in one step: GRPO's group, taken or dropped whole.
+
+    No ``rollout_ids`` yet: a group deferred until its step starts (``trainer.async.prefetch_share``).
+    """
 
     task: Task
     rollout_ids: list[str]
@@ -168,13 +172,33 @@ class AsyncRollouts:
     # ------------------------------------------------------------ a step
 
     def batch(self, step: int) -> tuple[list[Task], int]:
-        """Step ``step``'s tasks and epoch, once the batches of steps ``step .. step + k`` are queued."""
-        for ahead in range(step, min(step + self.max_staleness, self.total_steps) + 1):
-            if ahead not in self.pending:
-                tasks = self.sampler.next_batch()
-                self.pending[ahead] = Pending(ahead, self.sampler.epoch, self._enqueue(ahead, tasks))
+        """Step ``step``'s tasks and epoch, once its batch and (a share of) those of steps ``step + 1 .. step + k``
+        are queued.
+
+        A later step's batch is queued with only ``prefetch_share`` of its
+        groups; the others are queued when that step starts, after the
+        weight sync before it, and first: the runners play them with the
+        newest weights while the trainer waits for them.
+        """
+        if step not in self.pending:
+            self.pending[step] = self._draw(step, share=1.0)
         batch = self.pending[step]
+        deferred = [i for i, group in enumerate(batch.groups) if not group.rollout_ids]
+        if deferred:
+            queued = self._enqueue(step, [batch.groups[i].task for i in deferred])
+            for i, group in zip(deferred, queued):
+                batch.groups[i] = group
+        for ahead in range(step + 1, min(step + self.max_staleness, self.total_steps) + 1):
+            if ahead not in self.pending:
+                self.pending[ahead] = self._draw(ahead, share=self.config.prefetch_share)
         return [group.task for group in batch.groups], batch.epoch
+
+    def _draw(self, step: int, share: float) -> Pending:
+        """The next batch of the sampler for ``step``, with ``share`` of its groups (at least one) queued now."""
+        tasks = self.sampler.next_batch()
+        now = max(1, math.ceil(share * len(tasks)))
+        groups = self._enqueue(step, tasks[:now]) + [Group(task, []) for task in tasks[now:]]
+        return Pending(step, self.sampler.epoch, groups)
 
     def take(self, step: int) -> list[Rollout]:
         """Wait for step ``step``'s batch; return the rollouts of its groups within the bound, in task order.
@@ -271,6 +295,9 @@ class AsyncRollouts:
         groups, requeued = [], 0
         for saved in batch["groups"]:
             group = Group(Task.model_validate(saved["task"]), list(saved["rollout_ids"]))
+            if not group.rollout_ids:  # deferred: queued when its step starts
+                groups.append(group)
+                continue
             found = store.get_rollouts(group.rollout_ids)
             if len(found) == len(group.rollout_ids) and all(r.status == SUCCEEDED for r in found):
                 groups.append(group)

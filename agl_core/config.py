@@ -104,6 +104,9 @@ class AsyncConfig(Section):
                                                     "updates older than the trainer's (0: synchronous, no overlap)")
     drain_timeout_s: float = Field(60.0, gt=0, description="at a weight sync, how long the gateway waits for the "
                                                            "calls in flight to finish before the weights change")
+    prefetch_share: float = Field(1.0, gt=0, le=1, description="share of a later step's groups queued before the "
+                                                               "weight syncs that precede it; the rest are queued "
+                                                               "when that step starts, served by fresh weights")
 
 
 class TrainerConfig(Section):

@@ -196,3 +196,34 @@ def test_the_tis_correction_weights_the_update_and_reports_its_weights(tmp_path)
     step = logged(tmp_path / "run")[2]
     assert 0 < step["rollout_corr/tis_mean"] and step["rollout_corr/tis_max"] >= step["rollout_corr/tis_mean"]
     assert 0 <= step["rollout_corr/tis_capped_share"] <= 1
+
+
+def test_with_a_prefetch_share_the_deferred_groups_are_served_by_the_newest_weights(tmp_path):
+    trainer, recorder = run(recipe_file(tmp_path, rollout={"n": N}),
+                            ASYNC + ["trainer.total_steps=4", "trainer.async.prefetch_share=0.5"])
+    steps = trained(recorder)
+    seen = set()
+    for step, rollouts in steps.items():
+        groups = collections.defaultdict(list)
+        for rollout in rollouts:
+            groups[rollout.task_id].append(staleness(step, served_version(rollout)))
+            assert rollout.rollout_id not in seen
+            seen.add(rollout.rollout_id)
+        assert [len(ages) for ages in groups.values()] == [N, N]
+        first, second = groups.values()  # queued ahead; deferred until the step started (after the sync)
+        assert max(first) <= 1 and second == [0] * N
+
+
+def test_a_checkpoint_keeps_deferred_groups_and_the_resumed_run_queues_them_at_their_step(tmp_path):
+    path = recipe_file(tmp_path, rollout={"n": N})
+    common = ASYNC + ["trainer.total_steps=4", "trainer.save_freq=2", "trainer.async.prefetch_share=0.5"]
+    with pytest.raises(RuntimeError, match="stopped at step 3"):
+        run(path, common, extra=[("stop", StopAt(3))])
+    carried = torch.load(tmp_path / "run" / "checkpoints" / "global_step_2" / "core_state.pt",
+                         weights_only=False)["async"]["batches"]
+    assert [[bool(g["rollout_ids"]) for g in batch["groups"]] for batch in carried] == [[True, False]]
+    _, recorder = run(path, common + ["trainer.resume=auto"])
+    steps = trained(recorder, first_step=3)
+    assert sorted(steps) == [3, 4]
+    for rollouts in steps.values():
+        assert sorted(collections.Counter(r.task_id for r in rollouts).values()) == [N, N]
