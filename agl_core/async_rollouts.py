@@ -45,7 +45,7 @@ from agl_core.builtin import local_runner, remote_runners
 from agl_core.config import AsyncConfig
 from agl_core.context import TrainContext
 from agl_core.data import Rollout, Task
-from agl_core.gateway.service import set_policy
+from agl_core.gateway.client import set_policy
 from agl_core.gateway.weight_sync import Drained
 from agl_core.plugins import PluginError
 from agl_core.runner import enqueue_samples, rollout_metrics, wait_all

@@ -33,9 +33,9 @@ import threading
 from collections.abc import Callable
 
 from agl_core.agents import LLM, load_agent
-from agl_core.gateway.server import TOKEN_ENV as GATEWAY_TOKEN_ENV
+from agl_core.gateway.client import TOKEN_ENV as GATEWAY_TOKEN_ENV
+from agl_core.gateway.client import check_gateway, check_service
 from agl_core.gateway.server import Gateway
-from agl_core.gateway.service import check_gateway, check_service
 from agl_core.http_rules import token_from
 from agl_core.http_server import stop_on_signals
 from agl_core.runner import LocalRunner

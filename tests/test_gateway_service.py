@@ -12,7 +12,8 @@ from agl_core.builtin.memory_store import MemoryStore
 from agl_core.config import ConfigError, GatewayConfig
 from agl_core.data import Task
 from agl_core.gateway import Gateway
-from agl_core.gateway.service import check_gateway, gateway_config, set_policy
+from agl_core.gateway.client import check_gateway, set_policy
+from agl_core.gateway.service import gateway_config
 from agl_core.store import NewRollout
 from agl_core.testing_endpoint import ByteTokenizer
 

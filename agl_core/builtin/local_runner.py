@@ -11,14 +11,17 @@ metrics. A backend that fills ``collect_rollouts`` itself takes precedence.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from agl_core import HOOK_API_VERSION, hookimpl
 from agl_core.agents import LLM, load_agent
-from agl_core.gateway import Gateway
-from agl_core.http_server import ServerThread
 from agl_core.plugins import PluginError
 from agl_core.runner import LocalRunner, cancel_abandoned
 from agl_core.store import Store
+
+if TYPE_CHECKING:  # the gateway's server (aiohttp, Starlette) is imported when a run starts one
+    from agl_core.gateway import Gateway
+    from agl_core.http_server import ServerThread
 
 AGL_HOOK_API = HOOK_API_VERSION
 NAME = "local_runner"
@@ -53,6 +56,8 @@ def start_runtime(ctx) -> LocalRuntime:
     if cfg.agent is None:
         raise PluginError("the local runner runs the agent named by rollout.agent, which is not set "
                           "(e.g. rollout.agent=my_package.my_agent:agent)")
+    from agl_core.gateway import Gateway
+
     agent = load_agent(cfg.agent)
     store = ctx.components.get("store", cfg.store).obj(ctx)
     # Rollouts left unfinished in a persistent store by an earlier process have no one waiting for them.

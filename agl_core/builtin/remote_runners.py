@@ -33,8 +33,7 @@ from agl_core import HOOK_API_VERSION, hookimpl
 from agl_core.builtin.local_runner import collect_options, gateway_sampling, gateway_seed, policy_urls, weight_version
 from agl_core.config import Section
 from agl_core.data import Rollout, Task
-from agl_core.gateway.server import TOKEN_ENV
-from agl_core.gateway.service import check_gateway, set_policy
+from agl_core.gateway.client import TOKEN_ENV, check_gateway, set_policy
 from agl_core.http_rules import token_from
 from agl_core.plugins import PluginError
 from agl_core.runner import cancel_abandoned, collect

@@ -41,6 +41,7 @@ from agl_core.config import GatewayConfig
 from agl_core.data import Span
 from agl_core.gateway.api_routes import TranslatedApis
 from agl_core.gateway.capture import CHAT, COMPLETIONS, Captured, ask_for_tokens, capture, without_token_fields
+from agl_core.gateway.client import ADMIN_POLICY, TOKEN_ENV
 from agl_core.gateway.streaming import (EVENT_STREAM, CallStream, EventStreamResponse, check_stream_fields,
                                        chunks_of, dumps, include_usage, one_batch, sse_batches)
 from agl_core.gateway.tools import check_tools
@@ -52,10 +53,8 @@ from agl_core.http_rules import (INT64_MAX, RequestError, check_bearer, check_sa
 from agl_core.http_server import ServerThread
 from agl_core.store import AttemptState, Store
 
-TOKEN_ENV = "AGL_GATEWAY_TOKEN"
 log = logging.getLogger("agl_core.gateway")
 PREFIX = "/rollout/{rollout_id}/attempt/{attempt_id}/v1"
-ADMIN_POLICY = "/v1/admin/policy"
 
 
 @dataclass(frozen=True)

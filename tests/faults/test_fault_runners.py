@@ -25,7 +25,7 @@ import pytest
 
 from agl_core.data import Task
 from agl_core.gateway import Gateway
-from agl_core.gateway.service import set_policy
+from agl_core.gateway.client import set_policy
 from agl_core.runner import collect
 from agl_core.store import NewRollout
 from agl_core.store_client import HttpStore

@@ -20,8 +20,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from agl_core import HOOK_API_VERSION, hookimpl
 from agl_core.builtin.remote_runners import collect_step
-from agl_core.gateway.server import TOKEN_ENV as GATEWAY_TOKEN_ENV
-from agl_core.gateway.service import check_gateway
+from agl_core.gateway.client import TOKEN_ENV as GATEWAY_TOKEN_ENV
+from agl_core.gateway.client import check_gateway
 from agl_core.http_rules import POLICY_TOKEN_ENV, is_loopback
 from agl_core.plugins import PluginError
 from agl_core.runner import cancel_abandoned
