@@ -213,7 +213,7 @@ class Gateway:
         the error into their own shapes.
         """
         self.check_request(endpoint, body)
-        # The store may block (a SQLite read, a lock held by a writer): never on the event loop.
+        # Admission may block (a SQLite lock held by a writer, a store service's round trip): off the event loop.
         state, sequence_ids = await asyncio.to_thread(self._admit, rollout_id, attempt_id, body.get("n") or 1)
         # A weight sync holds new calls here and lets those in flight finish first (weight_sync.CallGate), so
         # the version read at admission is the one that serves the call, whenever its span is written.
@@ -231,7 +231,7 @@ class Gateway:
         common = self._span_attributes(endpoint, upstream, forwarded.status, forwarded.tries, state, weight_version)
         spans, response = _spans(rollout_id, attempt_id, sequence_ids, endpoint, body, forwarded, common,
                                  start, time.time())
-        await asyncio.to_thread(self._record, rollout_id, spans)
+        self._record(rollout_id, spans)
         if forwarded.error is not None:
             raise CallFailed(forwarded.status, forwarded.error)
         if forwarded.status >= 400:
@@ -293,7 +293,7 @@ class Gateway:
                 common = self._span_attributes(endpoint, upstream, status, tries, state, weight_version)
                 spans = _answer_spans(rollout_id, attempt_id, sequence_ids, endpoint, body, response, error, common,
                                       start, time.time())
-                await asyncio.to_thread(self._record, rollout_id, spans)
+                self._record(rollout_id, spans)
                 raise CallFailed(status, error, opened.body if opened.error is None and status >= 400 else None)
             batches = one_batch([dumps(chunk) for chunk in chunks_of(endpoint, response, include_usage(body))])
             release = None
@@ -312,7 +312,7 @@ class Gateway:
                 for span in spans:
                     span.attributes["incomplete"] = True
             try:
-                await asyncio.to_thread(self._record, rollout_id, spans)
+                self._record(rollout_id, spans)
             except RequestError as exc:
                 stream.record_error = str(exc)
 
@@ -351,7 +351,12 @@ class Gateway:
         return state, sequence_ids
 
     def _record(self, rollout_id: str, spans: list[Span]) -> None:
-        """Write the call's spans; RequestError 503 when the store cannot (the agent must not train blind)."""
+        """Write the call's spans; RequestError 503 when the store cannot (the agent must not train blind).
+
+        Called on the event loop: ``add_spans`` only queues (the SQLite store's writer, the store client's
+        uploader) or appends in memory, so a hop to a thread would cost more than the call; it blocks only
+        when its queue is full, and then every call should wait.
+        """
         try:
             self.store.add_spans(spans)
         except KeyError:  # the rollout ended (timed out) and was consumed while this call was in flight
