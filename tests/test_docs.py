@@ -7,9 +7,8 @@ How the blocks of a page run (the rule the pages are written to):
 - A block whose first line is a comment naming a module file (``# reward_csv.py``) is also written as that
   module, importable by the blocks after it (a page shows a plugin module, then uses it).
 - A block not meant to run (a signature, a fragment of a larger file, code for services this machine does not
-  have) is marked in its page by the line ``<!-- docs: no-run (why) -->`` right above the fence, or, for pages
-  owned by others and being edited, listed in :data:`NOT_RUN` below with the reason. Any other block that fails
-  fails the test.
+  have) is marked in its page by the line ``<!-- docs: no-run (why) -->`` right above the fence (no page needs
+  one today). Any other block that fails fails the test.
 """
 
 from __future__ import annotations
@@ -27,17 +26,6 @@ FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.M | re.S)
 NO_RUN_MARK = re.compile(r"<!--\s*docs:\s*no-run\b[^>]*-->\s*$")
 MODULE_LINE = re.compile(r"^# ([A-Za-z_][A-Za-z0-9_]*)\.py\s*$")
 
-NOT_RUN = {
-    ("rollout.md", "def agent(task: agl_core.data.Task, llm: agl_core.LLM) -> float | None"):
-        "a signature, not code",
-    ("rollout.md", "from anthropic import Anthropic"):
-        "fragments of agents (an awaited call at top level, an llm and messages from the agent around them); "
-        "examples/guess_number has them whole",
-    ("hooks.md", "@hookimpl"):
-        "a fragment: scaled_grpo and settings come from the page's prose",
-}
-"""(page, first line of the block) → why it does not run: blocks of pages other people own."""
-
 
 def blocks(page: Path) -> list[tuple[str, str | None]]:
     """(code, why it does not run, or None) of each ```` ```python ```` block of ``page``, in order."""
@@ -46,24 +34,11 @@ def blocks(page: Path) -> list[tuple[str, str | None]]:
     for match in FENCE.finditer(text):
         code = match.group(1)
         before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
-        first = code.lstrip("\n").split("\n", 1)[0].rstrip()
-        why = None
-        if NO_RUN_MARK.search(before):
-            why = "marked no-run in the page"
-        else:
-            why = NOT_RUN.get((page.relative_to(DOCS).as_posix(), first))
-        out.append((code, why))
+        out.append((code, "marked no-run in the page" if NO_RUN_MARK.search(before) else None))
     return out
 
 
 PAGES = sorted(p for p in DOCS.rglob("*.md") if any(why is None for _, why in blocks(p)))
-
-
-def test_every_listed_block_still_exists():
-    """A NOT_RUN entry whose block changed or went away is removed (or the block runs now)."""
-    for page, first in NOT_RUN:
-        firsts = [code.lstrip("\n").split("\n", 1)[0].rstrip() for code, _ in blocks(DOCS / page)]
-        assert first in firsts, f"docs/{page} has no python block starting {first!r}: update NOT_RUN"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(DOCS).as_posix())
