@@ -186,8 +186,8 @@ def refuse_async(ctx) -> None:
 
 @hookimpl
 def on_train_start(ctx):
+    version = verl_version()  # before importing anything of verl, or reading the context
     refuse_async(ctx)
-    version = verl_version()  # before importing anything of verl
     from agl_plugin_verl import rollout, workers
     from agl_plugin_verl.bridge import Registrations, install
 
