@@ -112,7 +112,7 @@ def context(run_dir: Path, endpoint_url: str, runner: list[str], flags: list[str
     return Trainer(recipe, plugins, train_tasks=tasks, val_tasks=[]).ctx
 
 
-ROLES = (("serve store", "store_service"), ("serve gateway", "gateway_service"), ("testing_endpoint", "endpoint"),
+PROCESS_ROLES = (("serve store", "store_service"), ("serve gateway", "gateway_service"), ("testing_endpoint", "endpoint"),
          ("RunnerActor", "ray_actors"))
 """Which process is which, by a piece of its command line; this process is the trainer, any other one Ray's own."""
 
@@ -126,7 +126,7 @@ def cpu_seconds() -> dict[str, float]:
             times, command = proc.cpu_times(), " ".join(proc.cmdline())
         except psutil.Error:  # ended meanwhile
             continue
-        role = "trainer" if proc.pid == me.pid else next((r for key, r in ROLES if key in command), "ray_system")
+        role = "trainer" if proc.pid == me.pid else next((r for key, r in PROCESS_ROLES if key in command), "ray_system")
         totals[role] = totals.get(role, 0.0) + times.user + times.system
     return totals
 
@@ -180,7 +180,7 @@ def throughput(endpoint_url: str, tmp: Path, n_rollouts: int, rounds: int, iters
 
 
 STORE_OPS = ("enqueue", "dequeue", "spans", "finish", "read_back")
-ROLES = ("trainer", "runner", "gateway")
+STORE_ROLES = ("trainer", "runner", "gateway")
 
 
 def one_rollout(roles: dict[str, Store], rollout_id: str, spans: list[Span]) -> dict[str, float]:
@@ -228,8 +228,8 @@ def store_latency(tmp: Path, n: int, block: int = 50) -> dict:
                   attributes={"request": {"messages": [{"role": "user", "content": "turn"}]}})] * TURNS
     service = services.start("store", ["store", "--db", str(tmp / "served.sqlite")], tmp / "store.log", {}, 60.0)
     local = SqliteStore(tmp / "local.sqlite")
-    setups = {"sqlite_in_process": dict.fromkeys(ROLES, local),
-              "http_service": {role: HttpStore(service.url) for role in ROLES}}
+    setups = {"sqlite_in_process": dict.fromkeys(STORE_ROLES, local),
+              "http_service": {role: HttpStore(service.url) for role in STORE_ROLES}}
     laps: dict[str, list[dict[str, float]]] = {name: [] for name in setups}
     try:
         for name, roles in setups.items():  # warm-up: connections, statements
