@@ -35,7 +35,9 @@ by URL: ``HttpStore("http://10.0.0.5:8765", token=...)``, or the recipe's
   it was applied is no error when the service holds exactly those rollouts;
   ``finish`` retried after it was applied returns True when the rollout
   ended with this attempt, status, reward and error. A repeated
-  ``next_sequence_id`` skips an id (ids stay unique and ordered); a lost
+  ``next_sequence_id`` skips an id (ids stay unique and ordered), and so
+  does a repeated ``admit``, whose unused ids the service then waits for at
+  the attempt's ``finish`` (up to its ``SPAN_WAIT_S``, logged); a lost
   ``dequeue`` answer leaves an attempt nobody runs, which expires with its
   lease like any lost worker's; the counts of a repeated ``cancel`` or
   ``requeue_expired`` leave out what the first try did.

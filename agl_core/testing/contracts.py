@@ -834,7 +834,6 @@ class PluginContract(_ContractBase):
     """
 
     not_covered: dict[str, str] = {}
-    spans_idempotent = True
 
     def _skip_if_declared(self, hook: str) -> None:
         if hook in self.not_covered:

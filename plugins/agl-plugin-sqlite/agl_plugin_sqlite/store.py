@@ -127,13 +127,14 @@ class SqliteStore:
         self._closed = False
         try:
             self._open()
-            self._writer_connection = self._new_connection()
+            writer_connection = self._new_connection() if batch_spans else None
         except (OSError, sqlite3.Error, ValueError) as exc:
             self._close_connections()
             raise self._unusable(exc) from None
         self._writer: SpanBatcher | None = None
-        if batch_spans:
-            self._writer = SpanBatcher(self._insert_spans, self._write_failure, name="agl-sqlite-span-writer",
+        if writer_connection is not None:  # the writer thread's own connection
+            self._writer = SpanBatcher(functools.partial(self._insert_spans, connection=writer_connection),
+                                       self._write_failure, name="agl-sqlite-span-writer",
                                        batch_size=batch_size, max_pending=max_pending)
             self._writer.start()
 
@@ -336,9 +337,9 @@ class SqliteStore:
         else:
             self._writer.put(spans)
 
-    def _insert_spans(self, spans: Sequence[Span], connection: sqlite3.Connection | None = None) -> None:
-        """One transaction (on the span writer's connection by default); a span already there is kept."""
-        with _Immediate(connection or self._writer_connection) as conn:
+    def _insert_spans(self, spans: Sequence[Span], connection: sqlite3.Connection) -> None:
+        """One transaction on ``connection``; a span already there is kept."""
+        with _Immediate(connection) as conn:
             conn.executemany("INSERT OR IGNORE INTO spans (rollout_id, attempt_id, sequence_id, kind, span) "
                              "VALUES (?, ?, ?, ?, ?)",
                              [(s.rollout_id, s.attempt_id, s.sequence_id, s.kind, s.model_dump_json()) for s in spans])
