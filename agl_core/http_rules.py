@@ -26,7 +26,7 @@ import os
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 INT64_MAX = 2**63 - 1
 
@@ -39,11 +39,17 @@ class RequestError(Exception):
         self.status = status
 
 
-def error_response(status: int, message: str) -> JSONResponse:
+def error_response(status: int, message: str) -> Response:
     """An error in the OpenAI format, so the openai client raises with ``message``."""
+    return Response(error_body(status, message), status_code=status, media_type="application/json")
+
+
+def error_body(status: int, message: str) -> bytes:
+    """The JSON of :func:`error_response`."""
     kind = ("authentication_error" if status == 401 else "invalid_request_error" if status < 500
             else "api_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+    return json.dumps({"error": {"message": message, "type": kind, "code": status}}, ensure_ascii=False,
+                      separators=(",", ":")).encode()
 
 
 # ---------------------------------------------------------------- who may call

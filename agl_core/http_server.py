@@ -18,6 +18,7 @@ from typing import Any
 import uvicorn
 
 from agl_core.config import ConfigError
+from agl_core.lean_server import LeanServer
 
 
 def _fastest(module: str, fallback: str) -> str:
@@ -28,6 +29,9 @@ def _fastest(module: str, fallback: str) -> str:
 class ServerThread:
     """A uvicorn server for ``app`` on ``host:port``, run by a daemon thread.
 
+    With ``lean_body_limit`` (bytes) the server is :class:`~agl_core.lean_server.LeanServer`
+    instead, for services of small requests (the store service), with bodies up to that size.
+
     ``start()`` returns once the server accepts connections (or raises after
     ``timeout_s``); ``stop()`` asks it to exit and joins the thread. An address
     that cannot be bound (a port in use, a host not of this machine) is a
@@ -36,7 +40,7 @@ class ServerThread:
     """
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, name: str = "agl-http", *,
-                 setting: str | None = None):
+                 setting: str | None = None, lean_body_limit: int | None = None):
         self.host, self.name = host, name
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -48,10 +52,13 @@ class ServerThread:
             hint = "; choose another port (0: any free one)" if exc.errno == errno.EADDRINUSE else ""
             raise ConfigError(f"{key}{name} cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None
         self.port: int = self._socket.getsockname()[1]
-        config = uvicorn.Config(app, loop=_fastest("uvloop", "asyncio"), http=_fastest("httptools", "h11"),
-                                lifespan="on", log_level="warning", access_log=False,
-                                timeout_keep_alive=60, backlog=4096)
-        self._server = uvicorn.Server(config)
+        if lean_body_limit is not None:
+            self._server = LeanServer(app, max_body_bytes=lean_body_limit)
+        else:
+            config = uvicorn.Config(app, loop=_fastest("uvloop", "asyncio"), http=_fastest("httptools", "h11"),
+                                    lifespan="on", log_level="warning", access_log=False,
+                                    timeout_keep_alive=60, backlog=4096)
+            self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._error: BaseException | None = None
 

@@ -5,7 +5,8 @@
 behind). The thread takes every span waiting, up to ``batch_size``, and hands
 them to ``write`` at once: under load a write carries hundreds of spans, when
 idle a span is written at once. :meth:`SpanBatcher.flush` returns once every
-span put before it is written.
+span put before it is written. :meth:`SpanBatcher.carry` lets a caller take
+the spans waiting and send them with a request of its own.
 
 The first failed write sticks: spans queued after it are dropped and every
 later ``put`` and ``flush`` raises a RuntimeError with ``describe(error)``, so
@@ -17,10 +18,12 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from agl_core.data import Span
+
+T = TypeVar("T")
 
 
 class SpanBatcher(threading.Thread):
@@ -50,6 +53,35 @@ class SpanBatcher(threading.Thread):
             while self.written < target and self.error is None:
                 self.done.wait(1.0)
         self._raise_error()
+
+    def carry(self, send: Callable[[list[Span]], T]) -> T:
+        """``send(spans)`` on the caller's thread with the spans waiting now (up to ``batch_size``; maybe none),
+        so that they ride on a request the caller makes anyway.
+
+        They count as written once ``send`` returns. If it raises, they are queued again for this thread
+        (so a write must be idempotent) and the error propagates. After a failed write nothing is taken.
+        """
+        spans: list[Span] = []
+        while self.error is None and len(spans) < self.batch_size:
+            try:
+                span = self.pending.get_nowait()
+            except queue.Empty:
+                break
+            if span is None:  # stop's mark stays behind every span
+                self.pending.put(None)
+                break
+            spans.append(span)
+        try:
+            result = send(spans)
+        except BaseException:
+            for span in spans:
+                self.pending.put(span)
+            raise
+        if spans:
+            with self.done:
+                self.written += len(spans)
+                self.done.notify_all()
+        return result
 
     def stop(self, timeout_s: float | None = None) -> None:
         """Write what is queued, then end the thread (waiting up to ``timeout_s``)."""

@@ -24,8 +24,9 @@ method                request                                       answer
 ``requeue_expired``   ``{}``                                        ``count``
 ``attempt_state``     ``rollout_id, attempt_id``                    ``state: {rollout_status,
                                                                     current, metadata} | null``
-``admit``             ``rollout_id, attempt_id, n``                 ``state: {...} | null,
-                                                                    sequence_ids: [int]``
+``admit``             ``rollout_id, attempt_id, n, spans?``         ``state: {...} | null,
+                      (spans waiting for upload ride on it,         sequence_ids: [int]``
+                      written first, as by ``add_spans``)
 ``next_sequence_id``  ``rollout_id``                                ``sequence_id``
 ``add_spans``         ``spans: [Span]``                             ``count`` (once in the file)
 ``wait``              ``rollout_ids, timeout_s``                    ``done: [rollout_id]``
@@ -70,7 +71,8 @@ rollout without that call, logged), unless the attempt ``timed_out``. That
 keeps one round trip per call on the agent's path, where a gateway that
 flushed each call before answering paid two. Only stores reached through
 this service need it: in one process the gateway writes to the reader's
-store.
+store. When calls follow each other, the spans waiting for upload ride on
+the next ``admit`` of the same client instead of a request of their own.
 """
 
 from __future__ import annotations
@@ -164,18 +166,19 @@ class _AttemptKey(_Body):
     attempt_id: str
 
 
-class _Admit(_Body):
-    rollout_id: str
-    attempt_id: str
-    n: int = Field(ge=1, le=MAX_ADMIT)
-
-
 class _RolloutKey(_Body):
     rollout_id: str
 
 
 class _Spans(_Body):
     spans: list[Span]
+
+
+class _Admit(_Body):
+    rollout_id: str
+    attempt_id: str
+    n: int = Field(ge=1, le=MAX_ADMIT)
+    spans: list[Span] = Field(default_factory=list)
 
 
 class _Wait(_Body):
@@ -319,13 +322,6 @@ class _AwaitedSpans:
             self._awaited.pop(rollout_id, None)
 
 
-async def _lifespan(receive: Any, send: Any) -> None:
-    """ASGI lifespan: nothing to start or stop (the caller owns the store)."""
-    while (await receive())["type"] != "lifespan.shutdown":  # startup: nothing to do
-        await send({"type": "lifespan.startup.complete"})
-    await send({"type": "lifespan.shutdown.complete"})
-
-
 class StoreService:
     """The ASGI app (:attr:`app`) serving ``store``; ``token``, when set, is required of every caller.
 
@@ -339,10 +335,8 @@ class StoreService:
         self.app = self
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        """The ASGI app. Two routes only, so no router: Starlette's stack cost more than the store call."""
-        if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
-            return
+        """The ASGI app (HTTP only: it has nothing to set up). Two routes, so no router: Starlette's stack cost
+        more than the store call."""
         request = Request(scope, receive)
         path, verb = scope["path"], scope["method"]
         if path.startswith(PREFIX) and verb == "POST":
@@ -368,6 +362,8 @@ class StoreService:
             else:
                 if method == "finish":
                     await self._spans_before_finish(body)
+                if method == "admit" and body.spans:  # spans that rode on the admit: written first, whatever follows
+                    self._keep_books("add_spans", body, _add_spans(self.store, body))
                 answer = run(self.store, body)
                 self._keep_books(method, body, answer)
         except RequestError as exc:
@@ -400,6 +396,11 @@ class StoreService:
         elif method in ("release", "cancel"):
             self._awaited.forget(body.rollout_ids)
 
+    def server(self, host: str = "127.0.0.1", port: int = 0, *, setting: str | None = None) -> ServerThread:
+        """A server of this service on ``host:port``, to start (the lean server: requests are small and many)."""
+        return ServerThread(self.app, host, port, name="the store service", setting=setting,
+                            lean_body_limit=self.max_body_bytes)
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
@@ -422,7 +423,7 @@ def main(args) -> int:
     stop = stop_on_signals()
     service = StoreService(store, token)
     try:
-        server = ServerThread(service.app, args.host, args.port, name="the store service", setting="--port")
+        server = service.server(args.host, args.port, setting="--port")
         try:
             server.start()
             print(server.url, flush=True)

@@ -3,7 +3,6 @@
 import pytest
 from agl_plugin_sqlite import SqliteStore
 
-from agl_core.http_server import ServerThread
 from agl_core.store_client import HttpStore
 from agl_core.store_server import RESERVE_SEQUENCE_IDS, StoreService
 from agl_core.testing.contracts import PluginContract, StoreContract
@@ -65,7 +64,7 @@ class TestHttpStore(StoreContract):
     def service_url(self, tmp_path):
         backing = SqliteStore(tmp_path / "rollouts.sqlite", reserve_sequence_ids=RESERVE_SEQUENCE_IDS)
         service = StoreService(backing)
-        with ServerThread(service.app) as server:
+        with service.server() as server:
             yield server.url
         service.close()
         backing.close()

@@ -369,7 +369,7 @@ def test_over_a_store_service_a_finish_right_after_the_last_answer_sees_its_span
     gateway uploads a call's span after answering, and the service's finish waits for the spans it admitted."""
     backing = SqliteStore(tmp_path / "served.sqlite", reserve_sequence_ids=RESERVE_SEQUENCE_IDS, batch_spans=False)
     service = StoreService(backing)
-    with ServerThread(service.app) as store_server:
+    with service.server() as store_server:
         trainer, runner, for_gateway = (HttpStore(store_server.url) for _ in range(3))
         _, server = serve(for_gateway, [endpoint.url])
         trainer.enqueue([NewRollout(f"r{i}", Task(id="t", input={})) for i in range(20)])

@@ -61,3 +61,32 @@ def test_stop_writes_what_is_queued_first():
     batcher.put([span(i) for i in range(5)])
     batcher.stop(timeout_s=10)
     assert written == [0, 1, 2, 3, 4]
+
+
+def test_carry_sends_the_waiting_spans_with_the_callers_request_and_requeues_them_on_failure():
+    gate, written = threading.Event(), []
+
+    def write(spans):
+        gate.wait(10)  # holds the thread with the first span while the others wait in the queue
+        written.extend(s.sequence_id for s in spans)
+
+    batcher = SpanBatcher(write, str, name="test-batcher", batch_size=2, max_pending=100)
+    batcher.start()
+    batcher.put([span(0)])
+    while batcher.pending.qsize():  # the thread took span 0 and waits at the gate
+        pass
+    batcher.put([span(1), span(2), span(3)])
+    carried = []
+    assert batcher.carry(lambda spans: carried.extend(s.sequence_id for s in spans) or "answer") == "answer"
+    assert carried == [1, 2]  # up to batch_size
+
+    def refused(spans):
+        raise ConnectionError("the service is gone")
+
+    with pytest.raises(ConnectionError):
+        batcher.carry(refused)  # span 3 goes back to the queue
+    gate.set()
+    batcher.flush()
+    assert sorted(written) == [0, 3]
+    assert batcher.carry(lambda spans: spans) == []  # nothing waits
+    batcher.stop(timeout_s=10)

@@ -9,7 +9,6 @@ from agl_plugin_sqlite import SqliteStore
 
 from agl_core.builtin.memory_store import MemoryStore
 from agl_core.data import Span, Task
-from agl_core.http_server import ServerThread
 from agl_core.store import NewRollout, Store
 from agl_core.store_client import HttpStore
 from agl_core.store_server import RESERVE_SEQUENCE_IDS, StoreService
@@ -24,7 +23,7 @@ def store(request, tmp_path):
         return
     backing = SqliteStore(tmp_path / "rollouts.sqlite", reserve_sequence_ids=RESERVE_SEQUENCE_IDS)
     service = StoreService(backing)
-    with ServerThread(service.app) as server:
+    with service.server() as server:
         client = HttpStore(server.url, connect_timeout_s=10)
         client.backing = backing  # for the tests that look behind the wire
         yield client

@@ -4,6 +4,7 @@ The store contract over HTTP is in tests/test_store.py; a service killed and
 restarted under its clients is in tests/faults/test_fault_store_service.py.
 """
 
+import asyncio
 import contextlib
 import json
 import os
@@ -41,7 +42,8 @@ def serve(tmp_path):
     def start(token=None, wrap=None, **options):
         backing = SqliteStore(tmp_path / f"store{len(opened)}.sqlite", reserve_sequence_ids=RESERVE_SEQUENCE_IDS)
         service = StoreService(backing, token, **options)
-        server = ServerThread(service.app if wrap is None else wrap(service.app)).start()
+        server = (service.server() if wrap is None else
+                  ServerThread(wrap(service.app), lean_body_limit=service.max_body_bytes)).start()
         opened.append((server, service, backing))
         return server.url, backing
 
@@ -324,6 +326,44 @@ def test_spans_are_uploaded_in_batches_each_once(serve, client):
         store.add_spans([span("a", attempt.attempt_id, store.next_sequence_id("a")) for _ in range(10)])
     store.flush()
     assert [s.sequence_id for s in backing.get_rollouts(["a"])[0].spans] == list(range(100))
+
+
+def test_spans_waiting_for_upload_ride_on_the_next_admit_and_go_back_when_it_is_refused(serve, client):
+    """While the uploader is busy (its first upload held 1.5 s), the spans added after it ride on the next admit;
+    an admit refused (n=0) gives its spans back to the uploader: every span in the file once."""
+    requests, busy = [], threading.Event()
+
+    def wrap(app):
+        async def wrapped(scope, receive, send):
+            message = await receive()
+            method = scope["path"].rsplit("/", 1)[-1]
+            requests.append((method, len(json.loads(message["body"]).get("spans", []))))
+            if method == "add_spans" and not busy.is_set():
+                busy.set()
+                await asyncio.sleep(1.5)
+
+            async def again():
+                return message
+            await app(scope, again, send)
+        return wrapped
+
+    url, backing = serve(wrap=wrap)
+    store = client(url)
+    store.enqueue([new("a")])
+    attempt = store.dequeue("w", 30)
+    _, ids = store.admit("a", attempt.attempt_id, 4)
+    store.add_spans([span("a", attempt.attempt_id, ids[0])])
+    assert busy.wait(5)  # the uploader is held with span 0
+    store.add_spans([span("a", attempt.attempt_id, i) for i in ids[1:3]])
+    store.admit("a", attempt.attempt_id, 1)
+    store.add_spans([span("a", attempt.attempt_id, ids[3])])
+    with pytest.raises(ValueError, match="admit: n: Input should be greater than or equal to 1"):
+        store.admit("a", attempt.attempt_id, 0)
+    assert [r for r in requests if r[0] == "admit"] == [("admit", 0), ("admit", 2), ("admit", 1), ("admit", 0)]
+    store.flush()  # span 3 went back to the uploader
+    assert [s.sequence_id for s in backing.get_rollouts(["a"])[0].spans] == ids
+    with contextlib.closing(sqlite3.connect(backing.path)) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM spans").fetchone()[0] == 4
 
 
 # ---------------------------------------------------------------- the plugin
