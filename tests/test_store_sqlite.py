@@ -161,6 +161,8 @@ def test_reserved_sequence_ids_are_never_handed_out_again_after_a_restart(tmp_pa
     path = tmp_path / "r.sqlite"
     store = SqliteStore(path, reserve_sequence_ids=4)
     store.enqueue([NewRollout("a", Task(id="t", input={})), NewRollout("b", Task(id="t", input={}))])
+    with contextlib.closing(sqlite3.connect(path)) as conn:  # the first block is reserved with the enqueue
+        assert sorted(conn.execute("SELECT rollout_id, reserved FROM sequence_reserved")) == [("a", 4), ("b", 4)]
     handed = [store.next_sequence_id("a") for _ in range(6)]  # two blocks reserved; no span written yet
     assert handed == list(range(6)) and store.next_sequence_id("b") == 0
     store.close()  # as good as a kill: the reservations were committed when made

@@ -101,8 +101,9 @@ class SqliteStore:
     keeps released rollouts in the file (marked consumed) as the run's record;
     otherwise they are deleted. ``reserve_sequence_ids`` > 0 records in the
     file, that many ids at a time, how far each rollout's sequence ids were
-    handed out (one small commit per block), and a process that opens the
-    file later counts on from there: no id is handed out twice, at the cost
+    handed out (one small commit per block; the first block with the
+    rollout's enqueue), and a process that opens the file later counts on
+    from there: no id is handed out twice, at the cost
     of a gap after a restart. ``batch_spans=False`` writes the spans of each
     ``add_spans`` at once, in the caller's thread and transaction, for a
     caller whose spans come in batches already (the store service, whose
@@ -194,13 +195,21 @@ class SqliteStore:
         now = time.time()
         rows = [(r.rollout_id, r.task.model_dump_json(), r.sample_index, json.dumps(r.metadata), QUEUING,
                  now + i * 1e-6, r.max_attempts) for i, r in enumerate(rollouts)]
+        reserve = self.reserve_sequence_ids
         try:
             with self._transaction() as conn:
                 conn.executemany("INSERT INTO rollouts (rollout_id, task, sample_index, metadata, status, "
                                  "priority, max_attempts) VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+                if reserve:  # the first block of ids, in this commit rather than one of its own at the first id
+                    conn.executemany("INSERT OR REPLACE INTO sequence_reserved (rollout_id, reserved) VALUES (?, ?)",
+                                     [(r.rollout_id, reserve) for r in rollouts])
         except sqlite3.IntegrityError:
             known = {r.rollout_id for r in rollouts} & set(self._existing([r.rollout_id for r in rollouts]))
             raise ValueError(f"rollouts already in the store: {sorted(known)}") from None
+        if reserve:
+            with self._sequence_lock:  # a new rollout has no spans: this process counts from 0
+                for r in rollouts:
+                    self._sequence[r.rollout_id], self._reserved[r.rollout_id] = -1, reserve
         self._notify()
 
     def _existing(self, rollout_ids: list[str]) -> list[str]:
