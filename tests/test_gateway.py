@@ -385,3 +385,33 @@ def test_over_a_store_service_a_finish_right_after_the_last_answer_sees_its_span
             store.close()
     service.close()
     backing.close()
+
+
+class ThreadAwareStore(MemoryStore):
+    """A store whose own admit (as a SQLite or service store has) says which thread it ran on."""
+
+    def __init__(self):
+        super().__init__()
+        self.admitted_on: list[str] = []
+
+    def admit(self, rollout_id, attempt_id, n):
+        self.admitted_on.append(threading.current_thread().name)
+        return super().admit(rollout_id, attempt_id, n)
+
+
+def test_the_memory_store_admits_on_the_event_loop_any_other_store_off_it(endpoint, store, serve, monkeypatch):
+    admitted_on = []
+    next_id = store.next_sequence_id  # called inside the memory store's admit, on the thread admit runs on
+    monkeypatch.setattr(store, "next_sequence_id",
+                        lambda rollout_id: admitted_on.append(threading.current_thread().name) or next_id(rollout_id))
+    _, server = serve(store, [endpoint.url])
+    client(server).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    assert admitted_on == ["agl-gateway"]  # the server's thread: no hop to a worker for a dict update
+
+    other = ThreadAwareStore()  # an admit the gateway does not know may block: a worker thread runs it
+    other.enqueue([NewRollout("r1", Task(id="t1", input={}))])
+    other.dequeue("w", lease_s=60)
+    _, server = serve(other, [endpoint.url])
+    client(server).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    assert len(other.admitted_on) == 1 and other.admitted_on[0] != "agl-gateway"
+    assert len(spans(other)) == 1

@@ -2,6 +2,7 @@
 the test policy endpoint (which streams token ids the way vLLM does) or a server that answers whole behind,
 spans out: the same spans as a non-streamed call, and an incomplete one when the agent leaves mid-stream."""
 
+import asyncio
 import json
 import time
 
@@ -17,7 +18,7 @@ from agl_core.data import Task
 from agl_core.gateway import Gateway
 from agl_core.gateway.capture import CHAT, COMPLETIONS
 from agl_core.gateway.server import call_seed
-from agl_core.gateway.streaming import SSEParser, StreamAssembly, chunks_of
+from agl_core.gateway.streaming import CallStream, EventStreamResponse, SSEParser, StreamAssembly, chunks_of
 from agl_core.http_server import ServerThread
 from agl_core.store import NewRollout
 from agl_core.testing_endpoint import ByteTokenizer, TestEndpoint
@@ -262,3 +263,99 @@ def test_a_stream_counts_as_a_call_in_flight_for_a_weight_sync_until_it_ends(sto
     while gw.calls.in_flight and time.time() < deadline:
         time.sleep(0.01)
     assert in_flight == [1] and gw.calls.in_flight == 0
+
+
+# ------------------------------------------------------------ the relay, on its own
+
+def relayed(endpoint_name, batches):
+    """The ASGI messages an :class:`EventStreamResponse` sends for a stream of ``batches`` (of chunk objects)."""
+    async def upstream():
+        for batch in batches:
+            yield [json.dumps(chunk).encode() for chunk in batch]
+
+    async def on_close(stream):
+        pass
+
+    async def never_disconnects():
+        await asyncio.Event().wait()
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    stream = CallStream(endpoint_name, upstream(), on_close)
+    asyncio.run(EventStreamResponse(stream)(None, never_disconnects, send))
+    return sent, stream
+
+
+def events_of(message):
+    return [json.loads(line[6:]) for line in message["body"].decode().split("\n\n") if line.startswith("data: {")]
+
+
+def test_a_chat_streams_first_chunk_alone_waits_for_the_first_token_and_the_headers_for_both():
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}], "prompt_token_ids": [1]}
+    tokens = [{"choices": [{"index": 0, "delta": {"content": c}, "token_ids": [i]}]} for i, c in enumerate("ab")]
+    sent, _ = relayed(CHAT, [[role], [tokens[0]], [tokens[1]]])
+    assert [m["type"] for m in sent] == ["http.response.start"] + ["http.response.body"] * 3
+    assert events_of(sent[1]) == [role, tokens[0]]  # one write, one wake-up of the client, for both
+    assert events_of(sent[2]) == [tokens[1]] and sent[3]["body"] == b"data: [DONE]\n\n"
+    assert [m.get("more_body") for m in sent[1:]] == [True, True, False]
+
+
+def test_a_completions_first_chunk_holds_a_token_and_goes_out_at_once():
+    tokens = [{"choices": [{"index": 0, "text": c, "token_ids": [i]}]} for i, c in enumerate("ab")]
+    sent, _ = relayed(COMPLETIONS, [[tokens[0]], [tokens[1]]])
+    assert [events_of(m) for m in sent[1:3]] == [[tokens[0]], [tokens[1]]]
+
+
+def test_a_stream_that_ends_before_a_second_chunk_sends_its_first_with_the_end():
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    sent, stream = relayed(CHAT, [[role]])
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert events_of(sent[1]) == [role] and sent[1]["body"].endswith(b"data: [DONE]\n\n")
+    assert stream.ended and stream.assembly.chunks == 1
+
+
+def test_a_stream_assembles_each_batch_while_it_waits_for_the_next():
+    chunks = [{"choices": [{"index": 0, "delta": {"content": c}, "token_ids": [i]}]} for i, c in enumerate("abc")]
+
+    async def upstream():
+        yield [json.dumps(chunk).encode() for chunk in chunks[:2]]
+        yield [json.dumps(chunks[2]).encode()]
+
+    async def on_close(stream):
+        pass
+
+    async def read():
+        stream = CallStream(CHAT, upstream(), on_close)
+        seen = []
+        while batch := await stream.next_batch():
+            seen.append(stream.assembly.chunks)  # what was assembled when this batch came
+        await stream.close()
+        return seen, stream
+
+    seen, stream = asyncio.run(read())
+    assert seen == [0, 2]
+    assert stream.assembly.response()["choices"][0]["token_ids"] == [0, 1, 2]
+
+
+def test_a_chunk_that_is_not_json_stops_the_assembly_and_errs_the_stream_at_its_end():
+    async def upstream():
+        yield [b'{"choices": []}', b"not json"]
+        yield [b'{"choices": []}']
+
+    async def on_close(stream):
+        pass
+
+    async def read():
+        stream = CallStream(CHAT, upstream(), on_close)
+        relayed_chunks = 0
+        while batch := await stream.next_batch():
+            relayed_chunks += len(batch)
+        await stream.close()
+        return relayed_chunks, stream
+
+    relayed_chunks, stream = asyncio.run(read())
+    assert relayed_chunks == 3  # the relay goes on: the error is the recording's
+    assert stream.assembly.chunks == 1 and stream.error == "the policy server streamed a chunk that is not a JSON object"

@@ -150,8 +150,9 @@ class TranslatedEventStream(EventStreamResponse):
 
     ``events`` has ``start()`` (the frames before any chunk), ``add(chunk)``
     and ``end(answer, error)`` (the closing frames, from the chunks assembled,
-    or the error the call broke off with). As for a chat stream, a client
-    that disconnects cancels the relay and the call is recorded incomplete,
+    or the error the call broke off with). As for a chat stream, the first
+    chunk when it came alone waits for the next, the headers go out with the
+    first frames, a client that disconnects cancels the relay and the call is recorded incomplete,
     and at the end the call is recorded before the closing frames go out;
     ``finished(answer)`` runs then, when the answer came whole and was recorded.
     """
@@ -162,19 +163,19 @@ class TranslatedEventStream(EventStreamResponse):
 
     async def _relay(self, send) -> None:
         stream, events = self.stream, self.events
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
-                                (b"cache-control", b"no-cache")]})
         frames: list[bytes] = []
         try:
             frames = events.start()
-            # Every chunk that has arrived, translated, goes out in one write (as the chat relay does).
+            # Every chunk that has arrived, translated, goes out in one write; the first one alone (the role's)
+            # waits for the next (as the chat relay does).
+            first = True
             while batch := await stream.next_batch():
                 for chunk in batch:
                     frames += events.add(chunk.data)
-                if frames:
-                    await send({"type": "http.response.body", "body": b"".join(frames), "more_body": True})
+                if frames and not (first and len(batch) == 1):
+                    await self._write(send, b"".join(frames))
                     frames = []
+                first = False
         except ValueError:
             pass  # a chunk that is not a JSON object: closing the stream finds it and sets its error
         finally:
@@ -184,4 +185,4 @@ class TranslatedEventStream(EventStreamResponse):
         tail = frames + events.end(answer, error)  # frames: what start() made when no chunk came
         if error is None and answer is not None and self.finished is not None:
             self.finished(answer)
-        await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
+        await self._write(send, b"".join(tail), more_body=False)

@@ -37,6 +37,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from agl_core.builtin.memory_store import MemoryStore
 from agl_core.config import GatewayConfig
 from agl_core.data import Span
 from agl_core.gateway.api_routes import TranslatedApis
@@ -98,6 +99,7 @@ class Gateway:
     def __init__(self, store: Store, config: GatewayConfig | None = None,
                  sampling: dict[str, Any] | None = None, upstreams: list[str] = (), seed: int | None = None):
         self.store = store
+        self._admit_on_loop = type(store).admit is MemoryStore.admit  # see _admitted
         self.config = config or GatewayConfig()
         self.token = token_from(self.config.token, TOKEN_ENV)
         require_token_off_loopback("the gateway", self.config.host, self.token,
@@ -213,8 +215,7 @@ class Gateway:
         the error into their own shapes.
         """
         self.check_request(endpoint, body)
-        # Admission may block (a SQLite lock held by a writer, a store service's round trip): off the event loop.
-        state, sequence_ids = await asyncio.to_thread(self._admit, rollout_id, attempt_id, body.get("n") or 1)
+        state, sequence_ids = await self._admitted(rollout_id, attempt_id, body.get("n") or 1)
         # A weight sync holds new calls here and lets those in flight finish first (weight_sync.CallGate), so
         # the version read at admission is the one that serves the call, whenever its span is written.
         async with self.calls.admitted():
@@ -264,7 +265,7 @@ class Gateway:
         record it.
         """
         self.check_request(endpoint, body)
-        state, sequence_ids = await asyncio.to_thread(self._admit, rollout_id, attempt_id, body.get("n") or 1)
+        state, sequence_ids = await self._admitted(rollout_id, attempt_id, body.get("n") or 1)
         held = contextlib.AsyncExitStack()
         await held.enter_async_context(self.calls.admitted())
         start, weight_version = time.time(), self.weight_version
@@ -336,6 +337,18 @@ class Gateway:
             raise RequestError(400, "'prompt' must be a string (token-id and batched prompts are not supported)")
         check_sampling(body, max_n=self.config.max_n, logprobs_key="top_logprobs" if endpoint == CHAT else "logprobs")
         check_stream_fields(body)
+
+    async def _admitted(self, rollout_id: str, attempt_id: str, n: int) -> tuple[AttemptState, list[int]]:
+        """:meth:`_admit` on the event loop for the memory store, else on a worker thread.
+
+        Another store's admission may block (a SQLite lock held by a writer, a
+        store service's round trip): off the event loop. The memory store's is a
+        lock held only for dict updates: the thread hop (two wake-ups, tens of µs,
+        more on busy cores) would cost more than it, on every call's first-token path.
+        """
+        if self._admit_on_loop:
+            return self._admit(rollout_id, attempt_id, n)
+        return await asyncio.to_thread(self._admit, rollout_id, attempt_id, n)
 
     def _admit(self, rollout_id: str, attempt_id: str, n: int) -> tuple[AttemptState, list[int]]:
         """The running attempt's state and a sequence id per choice; RequestError when the attempt is not running."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import aiohttp
@@ -29,11 +29,17 @@ from agl_core.http_rules import RequestError
 DONE = b"[DONE]"
 DONE_EVENT = b"data: [DONE]\n\n"
 EVENT_STREAM = "text/event-stream"
+EVENT_STREAM_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
 
 def sse_event(payload: bytes) -> bytes:
     """One server-sent event whose data is ``payload`` (a JSON text without newlines)."""
     return b"data: " + payload + b"\n\n"
+
+
+def sse_events(payloads: Iterable[bytes]) -> bytes:
+    """:func:`sse_event` of each of ``payloads``, in one bytes."""
+    return b"".join([b"data: " + payload + b"\n\n" for payload in payloads])
 
 
 class SSEParser:
@@ -283,8 +289,9 @@ class CallStream:
 
     ``async for chunk in stream`` gives the chunks one by one;
     :meth:`next_batch` gives every chunk that has arrived (fewer writes when
-    the upstream is fast). :meth:`close` assembles the chunks into
-    :attr:`assembly`, then ``on_close(self)`` records the call; it runs once,
+    the upstream is fast). The chunks are added to :attr:`assembly` a batch
+    behind, while the upstream makes the next ones, and :meth:`close` adds
+    the rest, then ``on_close(self)`` records the call; it runs once,
     shielded from the cancellation of a client that went away. By then
     :attr:`ended` says whether the upstream's stream reached its end (else
     the consumer stopped early: the call is incomplete) and :attr:`error` why
@@ -294,12 +301,15 @@ class CallStream:
 
     def __init__(self, endpoint: str, batches: AsyncIterator[list[bytes]],
                  on_close: Callable[[CallStream], Awaitable[None]], release: Callable[[], Any] | None = None):
+        self.endpoint = endpoint
         self.assembly = StreamAssembly(endpoint)
         self.ended = False
         self.error: str | None = None
         self.record_error: str | None = None  # set by on_close when the call could not be recorded
         self._batches, self._on_close, self._release = batches, on_close, release
         self._chunks: list[Chunk] = []
+        self._assembled = 0  # how many of _chunks are in the assembly
+        self._bad_chunk = False  # a chunk that is not a JSON object came: the assembly stopped before it
         self._pending: collections.deque[Chunk] = collections.deque()
         self._closed = False
 
@@ -314,7 +324,13 @@ class CallStream:
         return self._pending.popleft()
 
     async def next_batch(self) -> list[Chunk]:
-        """The chunks that have arrived (waiting for at least one); [] once the stream ended or broke off."""
+        """The chunks that have arrived (waiting for at least one); [] once the stream ended or broke off.
+
+        The previous batch, relayed by now, is assembled first: while the
+        upstream makes the next tokens, so that the end of the stream (where the
+        call is recorded before the client's last event) finds little left to do.
+        """
+        self._assemble()
         if self.ended or self.error is not None:
             return []
         try:
@@ -332,8 +348,10 @@ class CallStream:
         return chunks
 
     def _assemble(self) -> None:
-        """Parse the chunks not parsed yet (in one go) and add them all to :attr:`assembly`, in order."""
-        chunks = self._chunks
+        """Add the chunks not assembled yet to :attr:`assembly`, in order, parsing those not parsed in one go."""
+        chunks = self._chunks[self._assembled:]
+        if not chunks or self._bad_chunk:
+            return
         unparsed = [chunk for chunk in chunks if chunk._data is None]
         if unparsed:
             try:
@@ -347,9 +365,10 @@ class CallStream:
             try:
                 data = chunk.data
             except ValueError:  # one at a time finds the first bad one
-                self.error = "the policy server streamed a chunk that is not a JSON object"
+                self._bad_chunk = True
                 return
             self.assembly.add(data)
+            self._assembled += 1
 
     async def close(self) -> None:
         """Release the upstream and record the call (once); safe to call from a cancelled task."""
@@ -360,21 +379,29 @@ class CallStream:
             if self._release is not None:
                 self._release()
             self._assemble()
+            if self._bad_chunk:
+                self.error = "the policy server streamed a chunk that is not a JSON object"
             await self._on_close(self)
 
 
 class EventStreamResponse:
     """The ASGI response relaying a :class:`CallStream` to the client as server-sent events.
 
-    Each chunk goes out as it arrives. At the end the call is recorded before
-    the last event (``[DONE]``, or an error event when the upstream broke off
-    or the store could not record), so a client that saw the end of the stream
-    sees a recorded call. A client that disconnects cancels the relay: the
-    stream is closed then, and its call recorded as incomplete.
+    Each chunk goes out as it arrives, but for a chat stream's first chunk
+    when it came alone: that one (the role's, no token yet, in vLLM's layout)
+    waits for the next, and the response's headers wait for the first body
+    (:meth:`_write`): the client wakes once for the first token, not three
+    times, which on busy cores is what the first token waits for. At the end
+    the call is recorded before the last event (``[DONE]``, or an error event
+    when the upstream broke off or the store could not record), so a client
+    that saw the end of the stream sees a recorded call. A client that
+    disconnects cancels the relay: the stream is closed then, and its call
+    recorded as incomplete.
     """
 
     def __init__(self, stream: CallStream):
         self.stream = stream
+        self._started = False
 
     async def __call__(self, scope, receive, send) -> None:
         # The relay runs in this task; a watcher cancels it when the client disconnects (what Starlette's
@@ -399,21 +426,30 @@ class EventStreamResponse:
             done = True
             watcher.cancel()
 
+    async def _write(self, send, body: bytes, more_body: bool = True) -> None:
+        """Send ``body``, preceded by the response's start the first time: one wake-up of the client for both."""
+        if not self._started:
+            self._started = True
+            await send({"type": "http.response.start", "status": 200, "headers": EVENT_STREAM_HEADERS})
+        await send({"type": "http.response.body", "body": body, "more_body": more_body})
+
     async def _relay(self, send) -> None:
         stream = self.stream
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
-                                (b"cache-control", b"no-cache")]})
+        held: list[Chunk] = []  # a chat stream's first chunk, when it came alone
         try:
             while batch := await stream.next_batch():
-                await send({"type": "http.response.body", "body": b"".join(sse_event(c.raw) for c in batch),
-                            "more_body": True})
+                if held:
+                    batch, held = held + batch, []
+                elif not self._started and len(batch) == 1 and stream.endpoint == CHAT:
+                    held = batch
+                    continue
+                await self._write(send, sse_events(c.raw for c in batch))
         finally:
             await stream.close()
         error = stream.error or stream.record_error
         tail = DONE_EVENT if error is None else sse_event(dumps({"error": {"message": error, "type": "server_error",
                                                                            "code": 502}})) + DONE_EVENT
-        await send({"type": "http.response.body", "body": tail, "more_body": False})
+        await self._write(send, sse_events(c.raw for c in held) + tail if held else tail, more_body=False)
 
 
 async def one_batch(items: list[bytes]) -> AsyncIterator[list[bytes]]:
