@@ -91,15 +91,25 @@ def policy_token(configured: str | None) -> str | None:
 
 def has_bearer(request: Request, token: str | None) -> bool:
     """Whether the request carries ``Authorization: Bearer <token>`` (always true without a token)."""
+    return is_bearer(request.headers.get("authorization", ""), token)
+
+
+def is_bearer(authorization: str, token: str | None) -> bool:
+    """Whether an ``Authorization`` header's value is ``Bearer <token>`` (always true without a token)."""
     if token is None:
         return True
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    scheme, _, given = authorization.partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), token.encode())
 
 
 def check_bearer(request: Request, token: str | None) -> None:
     """RequestError 401 unless the request carries the bearer token (no check without a token)."""
-    if not has_bearer(request, token):
+    check_authorization(request.headers.get("authorization", ""), token)
+
+
+def check_authorization(authorization: str, token: str | None) -> None:
+    """:func:`check_bearer` of an ``Authorization`` header's value."""
+    if not is_bearer(authorization, token):
         raise RequestError(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>' "
                                 "(the openai client sends its api_key so)")
 

@@ -87,11 +87,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
 
 from agl_core.data import Span, Task
-from agl_core.http_rules import (RequestError, check_bearer, error_response, health_response, parse_json_object,
-                                 read_body, require_token_off_loopback, token_from)
+from agl_core.http_rules import (RequestError, check_authorization, error_body, error_response, health_response,
+                                 parse_json_object, require_token_off_loopback, token_from)
 from agl_core.http_server import ServerThread, stop_on_signals
 from agl_core.store import TIMED_OUT, AttemptState, NewRollout, Store
 from agl_core.store_client import TOKEN_ENV, UNKNOWN_ROLLOUT, Rollouts
@@ -103,7 +102,6 @@ LONG_POLL_S = 5.0
 THREADS = 256
 """Store calls running at once (long polls included)."""
 MAX_BODY_BYTES = 64 * 2**20
-BODY_TIMEOUT_S = 60.0
 RESERVE_SEQUENCE_IDS = 256
 PREFIX = "/v1/store/"
 WAITING_METHODS = {"dequeue": "wait_s", "wait": "timeout_s"}
@@ -263,6 +261,13 @@ def _final(method: str, body: Any, answer: dict[str, Any]) -> bool:
     return len(answer["done"]) == len(set(body.rollout_ids)) or body.timeout_s == 0
 
 
+JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+def _header(scope: dict[str, Any], name: bytes) -> str:
+    return next((value.decode("latin-1") for key, value in scope["headers"] if key == name), "")
+
+
 def _parse(method: str, model: type[_Body], raw: bytes) -> _Body:
     """The body as ``model``, or the RequestError (400) that names each field that is wrong."""
     body = parse_json_object(raw)
@@ -335,26 +340,29 @@ class StoreService:
         self.app = self
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        """The ASGI app (HTTP only: it has nothing to set up). Two routes, so no router: Starlette's stack cost
-        more than the store call."""
-        request = Request(scope, receive)
+        """The ASGI app (HTTP only: it has nothing to set up). Two routes, so no router, and no request or response
+        objects on the store's route: Starlette's stack cost more than the store call."""
         path, verb = scope["path"], scope["method"]
         if path.startswith(PREFIX) and verb == "POST":
-            response = await self._call(request, path[len(PREFIX):])
-        elif path == "/healthz" and verb == "GET":
-            response = health_response(request, self.token, {"db": str(getattr(self.store, "path", ""))})
+            status, content = await self._call(scope, receive, path[len(PREFIX):])
+            await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
+            await send({"type": "http.response.body", "body": content})
+            return
+        if path == "/healthz" and verb == "GET":
+            response = health_response(Request(scope, receive), self.token,
+                                       {"db": str(getattr(self.store, "path", ""))})
         else:
             response = error_response(404 if verb in ("GET", "POST") else 405, f"no route {verb} {path}")
         await response(scope, receive, send)
 
-    async def _call(self, request: Request, method: str) -> Response:
+    async def _call(self, scope: dict[str, Any], receive: Any, method: str) -> tuple[int, bytes]:
+        """(status, JSON answer) of a store method."""
         try:
-            check_bearer(request, self.token)
+            check_authorization(_header(scope, b"authorization"), self.token)
             if method not in METHODS:
                 raise RequestError(404, f"no store method {method!r}; methods: {', '.join(METHODS)}")
             model, run = METHODS[method]
-            body = _parse(method, model, await read_body(request, self.max_body_bytes, "the store service's "
-                                                         "body limit", BODY_TIMEOUT_S))
+            body = _parse(method, model, await self._read(receive))
             if method in WAITING_METHODS:  # tried at once on the loop; waited for on the pool if nothing is there yet
                 answer = run(self.store, body.model_copy(update={WAITING_METHODS[method]: 0.0}))
                 if not _final(method, body, answer):
@@ -367,17 +375,31 @@ class StoreService:
                 answer = run(self.store, body)
                 self._keep_books(method, body, answer)
         except RequestError as exc:
-            return error_response(exc.status, str(exc))
+            return exc.status, error_body(exc.status, str(exc))
         except KeyError as exc:  # the protocol's "a rollout the store does not hold"
             message = str(exc.args[0]) if exc.args else "unknown rollout"
-            return JSONResponse({"error": {"message": message, "type": UNKNOWN_ROLLOUT, "code": 404}}, 404)
+            return 404, json.dumps({"error": {"message": message, "type": UNKNOWN_ROLLOUT, "code": 404}}).encode()
         except ValueError as exc:  # the store refuses the request (a rollout id already queued, ...)
-            return error_response(400, str(exc))
+            return 400, error_body(400, str(exc))
         except Exception as exc:  # noqa: BLE001 - the request fails alone; the service goes on
             log.exception("store method %s failed", method)
-            return error_response(500, f"{type(exc).__name__}: {exc}")
-        content = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
-        return Response(content, media_type="application/json")
+            return 500, error_body(500, f"{type(exc).__name__}: {exc}")
+        return 200, answer if isinstance(answer, bytes) else json.dumps(answer).encode()
+
+    async def _read(self, receive: Any) -> bytes:
+        """The request body. The lean server read it whole, within its size and time limits, before calling."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise RequestError(400, "the client disconnected before sending the whole body")
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                raise RequestError(413, f"request body exceeds {self.max_body_bytes} bytes (the store service's "
+                                        f"body limit)")
+            if not message.get("more_body"):
+                return b"".join(chunks)
 
     async def _spans_before_finish(self, body: _Finish) -> None:
         """Wait for the spans of the calls admitted for the attempt (not for a timed-out one's calls in flight)."""
