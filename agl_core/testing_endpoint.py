@@ -46,11 +46,12 @@ import codecs
 import json
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agl_core.http_server import ServerThread
@@ -142,7 +143,7 @@ class TestEndpoint:
     def _reply(self, body: dict[str, Any], text: str) -> tuple[list[int], str]:
         return self._cut(body, self.tokenizer.encode(f"echo: {text}"))
 
-    async def chat_completions(self, request: Request) -> Response:
+    async def chat_completions(self, request: Request) -> Response | EventStream:
         body = await self._receive(request)
         if isinstance(body, Response):
             return body
@@ -260,20 +261,8 @@ class TestEndpoint:
             yield {**chunk, "choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
                                                      "total_tokens": n_prompt + n_completion}}
 
-    def _stream(self, body: dict[str, Any], chunks) -> Response:
-        async def events():
-            complete = False
-            try:
-                for sent, chunk in enumerate(chunks):
-                    if sent and self.token_delay_s:
-                        await asyncio.sleep(self.token_delay_s)
-                    yield f"data: {json.dumps(chunk)}\n\n"
-                yield "data: [DONE]\n\n"
-                complete = True
-            finally:
-                if not complete:
-                    self.streams_cut += 1
-        return StreamingResponse(events(), media_type="text/event-stream")
+    def _stream(self, body: dict[str, Any], chunks) -> EventStream:
+        return EventStream(self, chunks)
 
     def _cut(self, body: dict[str, Any], ids: list[int]) -> tuple[list[int], str]:
         """``ids`` cut to the request's token limit, and the finish reason."""
@@ -282,7 +271,7 @@ class TestEndpoint:
             return ids[:max_tokens], "length"
         return ids, "stop"
 
-    async def completions(self, request: Request) -> Response:
+    async def completions(self, request: Request) -> Response | EventStream:
         body = await self._receive(request)
         if isinstance(body, Response):
             return body
@@ -317,6 +306,47 @@ class TestEndpoint:
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": "test", "object": "model"}]})
+
+
+class EventStream:
+    """The ASGI response streaming ``chunks`` (dicts) as server-sent events: one write per chunk, as vLLM writes one
+    per token, its JSON compact as vLLM's; the endpoint's ``token_delay_s`` between chunks.
+
+    A raw ASGI response rather than Starlette's ``StreamingResponse``: the test endpoint stands for a policy server
+    whose streaming costs little next to the gateway it is used to measure. A client that leaves stops the stream
+    at its next chunk and counts in the endpoint's ``streams_cut``.
+    """
+
+    def __init__(self, endpoint: TestEndpoint, chunks: Iterator[dict[str, Any]]):
+        self.endpoint, self.chunks = endpoint, chunks
+
+    async def __call__(self, scope, receive, send) -> None:
+        left = False
+
+        async def watch() -> None:
+            nonlocal left
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            left = True
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        complete = False
+        try:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+            for sent, chunk in enumerate(self.chunks):
+                if sent and self.endpoint.token_delay_s:
+                    await asyncio.sleep(self.endpoint.token_delay_s)
+                if left:
+                    return
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+            complete = True
+        finally:
+            watcher.cancel()
+            if not complete:
+                self.endpoint.streams_cut += 1
 
 
 def main() -> None:
