@@ -345,6 +345,7 @@ class _Connection:
     def __init__(self, address: tuple[str, int], tls: ssl.SSLContext | None, connect_timeout_s: float):
         self.address, self.tls, self.connect_timeout_s = address, tls, connect_timeout_s
         self.sock: socket.socket | None = None
+        self.timeout_s: float | None = None
 
     def exchange(self, request: bytes, timeout_s: float) -> tuple[int, bytes]:
         """Send ``request`` and read its answer within ``timeout_s``: (status, body)."""
@@ -352,7 +353,10 @@ class _Connection:
             sock = socket.create_connection(self.address, timeout=self.connect_timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.sock = sock if self.tls is None else self.tls.wrap_socket(sock, server_hostname=self.address[0])
-        self.sock.settimeout(timeout_s)
+            self.timeout_s = None
+        if timeout_s != self.timeout_s:  # each settimeout costs system calls; most requests ask the same
+            self.sock.settimeout(timeout_s)
+            self.timeout_s = timeout_s
         self.sock.sendall(request)
         answer = _Answer()
         answer.parser = httptools.HttpResponseParser(answer)
