@@ -192,7 +192,7 @@ class _Connection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small answers go out at once
-        self.peer, self.local = transport.get_extra_info("peername"), transport.get_extra_info("sockname")
+        self.peer, self.local = (_host_port(transport.get_extra_info(key)) for key in ("peername", "sockname"))
         self.server.connections.add(self)
         self._time_out(self.server.keep_alive_s, None)
 
@@ -334,6 +334,11 @@ class _Refusal(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status = status
+
+
+def _host_port(address: Any) -> tuple[str, int] | None:
+    """ASGI's (host, port) of a socket address (IPv6 ones have four parts; a Unix socket's is a path)."""
+    return tuple(address[:2]) if isinstance(address, tuple) else None
 
 
 async def _plain(request: _Request, status: int, message: str) -> None:
