@@ -23,11 +23,10 @@ protocol code, on the parser uvicorn uses:
   accepting, lets the requests in flight finish (up to ``shutdown_timeout_s``)
   and closes every connection.
 
+- the ASGI lifespan protocol, for an app that speaks it.
+
 Not served: upgrades (the ``Upgrade`` header is ignored: the request is
-answered as plain HTTP, then the connection closed), HTTP/2, trailers, and the ASGI
-lifespan protocol (the caller sets its app up before serving it). The
-gateway and the policy endpoint, which stream and speak to many kinds of
-clients, stay on uvicorn.
+answered as plain HTTP, then the connection closed), HTTP/2 and trailers.
 """
 
 from __future__ import annotations
@@ -78,6 +77,7 @@ class LeanServer:
 
     async def _serve(self, sockets: list[socket.socket]) -> None:
         loop = asyncio.get_running_loop()
+        lifespan = await _Lifespan.start(self.app)
         servers = [await loop.create_server(lambda: _Connection(self), sock=sock, backlog=4096) for sock in sockets]
         self.started = True
         while not self.should_exit:
@@ -91,6 +91,54 @@ class LeanServer:
             conn.transport.close()
         for server in servers:
             await server.wait_closed()
+        if lifespan is not None:
+            await lifespan.stop(self.shutdown_timeout_s)
+
+
+class _Lifespan:
+    """The ASGI lifespan protocol, for an app that speaks it (Starlette's do): startup before the first request,
+    shutdown after the last. An app that does not (it returns or raises at once) simply gets none."""
+
+    def __init__(self, app: Any):
+        loop = asyncio.get_running_loop()
+        self.inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.started, self.stopped = loop.create_future(), loop.create_future()
+        self.task = loop.create_task(app({"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"},
+                                          "state": {}}, self.inbox.get, self._send))
+
+    @classmethod
+    async def start(cls, app: Any) -> _Lifespan | None:
+        lifespan = cls(app)
+        lifespan.inbox.put_nowait({"type": "lifespan.startup"})
+        await asyncio.wait([lifespan.started, lifespan.task], return_when=asyncio.FIRST_COMPLETED)
+        if not lifespan.started.done():
+            if not lifespan.task.cancelled() and lifespan.task.exception() is not None:
+                log.debug("the app does not speak the lifespan protocol: %r", lifespan.task.exception())
+            return None
+        lifespan.started.result()  # raises the app's startup failure: the server does not start
+        return lifespan
+
+    async def stop(self, timeout_s: float) -> None:
+        self.inbox.put_nowait({"type": "lifespan.shutdown"})
+        try:
+            await asyncio.wait_for(asyncio.shield(self.stopped), timeout_s)
+        except TimeoutError:
+            log.warning("the app did not finish its shutdown within %g s", timeout_s)
+            self.task.cancel()
+        except RuntimeError as exc:  # the server stops all the same
+            log.warning("%s", exc)
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        failed = RuntimeError(f"the app's lifespan failed: {message.get('message', '')}")
+        if kind == "lifespan.startup.complete":
+            self.started.set_result(None)
+        elif kind == "lifespan.startup.failed":
+            self.started.set_exception(failed)
+        elif kind == "lifespan.shutdown.complete":
+            self.stopped.set_result(None)
+        elif kind == "lifespan.shutdown.failed":
+            self.stopped.set_exception(failed)
 
 
 class _Request:

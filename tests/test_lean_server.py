@@ -218,3 +218,31 @@ def test_stop_lets_the_request_in_flight_finish():
     assert answers and answers[0].status_code == 201 and answers[0].json()["body"] == "s"
     with pytest.raises(httpx.ConnectError):
         httpx.post(running.url + "/a", timeout=2)
+
+
+def test_an_app_that_speaks_the_lifespan_protocol_is_started_before_and_stopped_after_serving():
+    events = []
+
+    async def lifespan_app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                events.append(message["type"])
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                else:
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        await app(scope, receive, send)
+
+    with ServerThread(lifespan_app, lean_body_limit=LIMIT) as running:
+        assert events == ["lifespan.startup"]
+        assert httpx.post(running.url + "/a", content=b"up").json()["body"] == "up"
+    assert events == ["lifespan.startup", "lifespan.shutdown"]
+
+    async def failing_startup(scope, receive, send):
+        await receive()
+        await send({"type": "lifespan.startup.failed", "message": "no database"})
+
+    with pytest.raises(RuntimeError, match="no database"):
+        ServerThread(failing_startup, lean_body_limit=LIMIT).start()
