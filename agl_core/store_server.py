@@ -270,6 +270,10 @@ def _header(scope: dict[str, Any], name: bytes) -> str:
 
 def _parse(method: str, model: type[_Body], raw: bytes) -> _Body:
     """The body as ``model``, or the RequestError (400) that names each field that is wrong."""
+    try:
+        return model.model_validate_json(raw)  # parsed and checked in one pass (a third of the time)
+    except ValidationError:
+        pass  # the path below says what is wrong in the words of every server of the project
     body = parse_json_object(raw)
     try:
         return model.model_validate(body)
