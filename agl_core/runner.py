@@ -38,6 +38,8 @@ from agl_core.data import Rollout, Task
 from agl_core.store import FAILED, QUEUING, RUNNING, SUCCEEDED, TIMED_OUT, Attempt, NewRollout, Store
 
 log = logging.getLogger("agl_core.runner")
+STALL_WARNING_S = 60.0
+"""How long a step may wait without any of its rollouts ending before :func:`wait_all` warns."""
 
 MAX_ERROR_CHARS = 4000
 IDLE_POLL_S = 0.2
@@ -276,17 +278,27 @@ def enqueue_samples(store: Store, tasks: list[Task], samples: int, *, metadata: 
 
 
 def wait_all(store: Store, rollout_ids: list[str], poll_s: float = 1.0,
-             on_progress: Callable[[int], None] | None = None) -> None:
+             on_progress: Callable[[int], None] | None = None, stall_warning_s: float = STALL_WARNING_S) -> None:
     """Return once every rollout of ``rollout_ids`` has ended; every ``poll_s`` requeue the attempts of lost workers.
 
-    ``on_progress`` is told how many have ended, after each poll.
+    ``on_progress`` is told how many have ended, after each poll. When none
+    has ended for ``stall_warning_s``, a warning says so (runners elsewhere
+    may be missing: nothing here would end their rollouts), and again after
+    each further such stretch.
     """
+    ended, since = 0, time.monotonic()
     while True:
         done = store.wait(rollout_ids, timeout_s=poll_s)
         if on_progress is not None:
             on_progress(len(done))
         if len(done) == len(rollout_ids):
             return
+        if len(done) > ended:
+            ended, since = len(done), time.monotonic()
+        elif time.monotonic() - since >= stall_warning_s:
+            log.warning("no rollout of this step has ended for %g s (%d of %d still to end): are runners leasing "
+                        "from the store?", time.monotonic() - since, len(rollout_ids) - len(done), len(rollout_ids))
+            since = time.monotonic()
         store.requeue_expired()
 
 

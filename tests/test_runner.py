@@ -21,7 +21,7 @@ from agl_core.data import Task
 from agl_core.gateway import Gateway
 from agl_core.loop import Trainer
 from agl_core.plugins import PluginError
-from agl_core.runner import LocalRunner, cancel_abandoned, collect
+from agl_core.runner import LocalRunner, cancel_abandoned, collect, wait_all
 from agl_core.store import NewRollout
 from agl_core.testing import PolicyEndpoints
 from agl_core.testing_endpoint import ByteTokenizer, TestEndpoint
@@ -199,6 +199,21 @@ def test_collect_ends_the_rollouts_of_a_lost_runner_even_when_no_runner_asks_for
     assert not step.is_alive()
     rollout, = result["step"].rollouts
     assert rollout.status == "failed" and "attempt 1 was lost" in rollout.error
+
+
+def test_a_step_whose_rollouts_nobody_runs_says_so_and_ends_when_a_runner_comes(caplog):
+    """No runner leases from the store (remote runners not started): the wait warns each stretch without progress."""
+    store = MemoryStore()
+    store.enqueue([NewRollout("r", Task(id="t", input={}))])
+    runner = threading.Timer(0.5, lambda: store.finish("r", store.dequeue("late-runner", 30).attempt_id,
+                                                       "succeeded"))
+    runner.start()
+    with caplog.at_level("WARNING", logger="agl_core.runner"):
+        wait_all(store, ["r"], poll_s=0.05, stall_warning_s=0.2)
+    runner.join()
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings and all("no rollout of this step has ended for" in w and "(1 of 1 still to end): are runners "
+                            "leasing from the store?" in w for w in warnings)
 
 
 # ------------------------------------------------------------------ through the plugin hooks
