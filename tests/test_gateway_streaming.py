@@ -270,8 +270,8 @@ def test_a_stream_counts_as_a_call_in_flight_for_a_weight_sync_until_it_ends(sto
 def relayed(endpoint_name, batches):
     """The ASGI messages an :class:`EventStreamResponse` sends for a stream of ``batches`` (of chunk objects)."""
     async def upstream():
-        for batch in batches:
-            yield [json.dumps(chunk).encode() for chunk in batch]
+        for number, batch in enumerate(batches):
+            yield [json.dumps(chunk).encode() for chunk in batch], number == len(batches) - 1
 
     async def on_close(stream):
         pass
@@ -293,13 +293,15 @@ def events_of(message):
     return [json.loads(line[6:]) for line in message["body"].decode().split("\n\n") if line.startswith("data: {")]
 
 
-def test_a_chat_streams_first_chunk_alone_waits_for_the_first_token_and_the_headers_for_both():
+def test_a_chat_streams_first_chunk_alone_waits_for_the_first_token_its_last_for_the_end():
     role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}], "prompt_token_ids": [1]}
-    tokens = [{"choices": [{"index": 0, "delta": {"content": c}, "token_ids": [i]}]} for i, c in enumerate("ab")]
-    sent, _ = relayed(CHAT, [[role], [tokens[0]], [tokens[1]]])
+    tokens = [{"choices": [{"index": 0, "delta": {"content": c}, "token_ids": [i]}]} for i, c in enumerate("abc")]
+    sent, _ = relayed(CHAT, [[role], [tokens[0]], [tokens[1]], [tokens[2]]])
     assert [m["type"] for m in sent] == ["http.response.start"] + ["http.response.body"] * 3
     assert events_of(sent[1]) == [role, tokens[0]]  # one write, one wake-up of the client, for both
-    assert events_of(sent[2]) == [tokens[1]] and sent[3]["body"] == b"data: [DONE]\n\n"
+    assert events_of(sent[2]) == [tokens[1]]
+    # The chunks that came with the upstream's end go out with the gateway's, once the call is recorded.
+    assert events_of(sent[3]) == [tokens[2]] and sent[3]["body"].endswith(b"data: [DONE]\n\n")
     assert [m.get("more_body") for m in sent[1:]] == [True, True, False]
 
 
@@ -307,6 +309,7 @@ def test_a_completions_first_chunk_holds_a_token_and_goes_out_at_once():
     tokens = [{"choices": [{"index": 0, "text": c, "token_ids": [i]}]} for i, c in enumerate("ab")]
     sent, _ = relayed(COMPLETIONS, [[tokens[0]], [tokens[1]]])
     assert [events_of(m) for m in sent[1:3]] == [[tokens[0]], [tokens[1]]]
+    assert sent[2]["body"].endswith(b"data: [DONE]\n\n")
 
 
 def test_a_stream_that_ends_before_a_second_chunk_sends_its_first_with_the_end():
@@ -317,12 +320,12 @@ def test_a_stream_that_ends_before_a_second_chunk_sends_its_first_with_the_end()
     assert stream.ended and stream.assembly.chunks == 1
 
 
-def test_a_stream_assembles_each_batch_while_it_waits_for_the_next():
+def test_a_stream_assembles_what_came_when_asked_and_the_rest_when_closed():
     chunks = [{"choices": [{"index": 0, "delta": {"content": c}, "token_ids": [i]}]} for i, c in enumerate("abc")]
 
     async def upstream():
-        yield [json.dumps(chunk).encode() for chunk in chunks[:2]]
-        yield [json.dumps(chunks[2]).encode()]
+        yield [json.dumps(chunk).encode() for chunk in chunks[:2]], False
+        yield [json.dumps(chunks[2]).encode()], True
 
     async def on_close(stream):
         pass
@@ -331,7 +334,9 @@ def test_a_stream_assembles_each_batch_while_it_waits_for_the_next():
         stream = CallStream(CHAT, upstream(), on_close)
         seen = []
         while batch := await stream.next_batch():
-            seen.append(stream.assembly.chunks)  # what was assembled when this batch came
+            seen.append(stream.assembly.chunks)
+            if len(seen) == 1:
+                stream.assemble()  # as a relay does once it wrote a batch
         await stream.close()
         return seen, stream
 
@@ -342,8 +347,8 @@ def test_a_stream_assembles_each_batch_while_it_waits_for_the_next():
 
 def test_a_chunk_that_is_not_json_stops_the_assembly_and_errs_the_stream_at_its_end():
     async def upstream():
-        yield [b'{"choices": []}', b"not json"]
-        yield [b'{"choices": []}']
+        yield [b'{"choices": []}', b"not json"], False
+        yield [b'{"choices": []}'], True
 
     async def on_close(stream):
         pass

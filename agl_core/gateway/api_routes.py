@@ -166,15 +166,16 @@ class TranslatedEventStream(EventStreamResponse):
         frames: list[bytes] = []
         try:
             frames = events.start()
-            # Every chunk that has arrived, translated, goes out in one write; the first one alone (the role's)
-            # waits for the next (as the chat relay does).
+            # Every chunk that has arrived, translated, goes out in one write; as the chat relay does, the first
+            # one alone (the role's) waits for the next, and those that came with the upstream's end go with ours.
             first = True
             while batch := await stream.next_batch():
                 for chunk in batch:
                     frames += events.add(chunk.data)
-                if frames and not (first and len(batch) == 1):
+                if frames and not (first and len(batch) == 1) and not stream.ended:
                     await self._write(send, b"".join(frames))
                     frames = []
+                    stream.assemble()
                 first = False
         except ValueError:
             pass  # a chunk that is not a JSON object: closing the stream finds it and sets its error
@@ -182,7 +183,7 @@ class TranslatedEventStream(EventStreamResponse):
             await stream.close()
         error = stream.error or stream.record_error
         answer = stream.assembly.response() if stream.assembly.chunks else None
-        tail = frames + events.end(answer, error)  # frames: what start() made when no chunk came
+        tail = frames + events.end(answer, error)  # frames: those not sent yet
         if error is None and answer is not None and self.finished is not None:
             self.finished(answer)
         await self._write(send, b"".join(tail), more_body=False)

@@ -79,7 +79,11 @@ class SSEParser:
         return payloads
 
 
-async def sse_batches(content: aiohttp.StreamReader) -> AsyncIterator[list[bytes]]:
+Batches = AsyncIterator[tuple[list[bytes], bool]]
+"""A stream's event data, a batch at a time, each with whether the stream ended with it (``[DONE]`` came)."""
+
+
+async def sse_batches(content: aiohttp.StreamReader) -> Batches:
     """The data of the events of an upstream's event stream, a batch per read: every event that had arrived.
 
     Reading what has arrived (not line by line) lets a fast upstream's events go
@@ -91,8 +95,8 @@ async def sse_batches(content: aiohttp.StreamReader) -> AsyncIterator[list[bytes
         if not data:
             return
         payloads = parser.feed(data)
-        if payloads:
-            yield payloads
+        if payloads or parser.done:
+            yield payloads, parser.done
 
 
 class StreamAssembly:
@@ -289,9 +293,9 @@ class CallStream:
 
     ``async for chunk in stream`` gives the chunks one by one;
     :meth:`next_batch` gives every chunk that has arrived (fewer writes when
-    the upstream is fast). The chunks are added to :attr:`assembly` a batch
-    behind, while the upstream makes the next ones, and :meth:`close` adds
-    the rest, then ``on_close(self)`` records the call; it runs once,
+    the upstream is fast). :meth:`assemble` adds the chunks come so far to
+    :attr:`assembly`; :meth:`close` adds the rest, then ``on_close(self)``
+    records the call; it runs once,
     shielded from the cancellation of a client that went away. By then
     :attr:`ended` says whether the upstream's stream reached its end (else
     the consumer stopped early: the call is incomplete) and :attr:`error` why
@@ -299,7 +303,7 @@ class CallStream:
     unfinished upstream stops generating).
     """
 
-    def __init__(self, endpoint: str, batches: AsyncIterator[list[bytes]],
+    def __init__(self, endpoint: str, batches: Batches,
                  on_close: Callable[[CallStream], Awaitable[None]], release: Callable[[], Any] | None = None):
         self.endpoint = endpoint
         self.assembly = StreamAssembly(endpoint)
@@ -326,15 +330,13 @@ class CallStream:
     async def next_batch(self) -> list[Chunk]:
         """The chunks that have arrived (waiting for at least one); [] once the stream ended or broke off.
 
-        The previous batch, relayed by now, is assembled first: while the
-        upstream makes the next tokens, so that the end of the stream (where the
-        call is recorded before the client's last event) finds little left to do.
+        :attr:`ended` turns true with the batch the upstream's stream ended with.
         """
-        self._assemble()
         if self.ended or self.error is not None:
             return []
         try:
-            chunks = [Chunk(raw) for raw in await self._batches.__anext__()]
+            raws, self.ended = await self._batches.__anext__()
+            chunks = [Chunk(raw) for raw in raws]
         except StopAsyncIteration:
             self.ended = True
             return []
@@ -347,8 +349,14 @@ class CallStream:
         self._chunks += chunks
         return chunks
 
-    def _assemble(self) -> None:
-        """Add the chunks not assembled yet to :attr:`assembly`, in order, parsing those not parsed in one go."""
+    def assemble(self) -> None:
+        """Add the chunks not assembled yet to :attr:`assembly`, in order, parsing those not parsed in one go.
+
+        A relay calls it after each write: the work is done while the upstream
+        makes the next tokens, so that the end of the stream (where the call is
+        recorded before the client's last event) finds little left to do, and
+        never between a chunk's arrival and its write. :meth:`close` adds the rest.
+        """
         chunks = self._chunks[self._assembled:]
         if not chunks or self._bad_chunk:
             return
@@ -378,7 +386,7 @@ class CallStream:
         with anyio.CancelScope(shield=True):
             if self._release is not None:
                 self._release()
-            self._assemble()
+            self.assemble()
             if self._bad_chunk:
                 self.error = "the policy server streamed a chunk that is not a JSON object"
             await self._on_close(self)
@@ -394,7 +402,8 @@ class EventStreamResponse:
     times, which on busy cores is what the first token waits for. At the end
     the call is recorded before the last event (``[DONE]``, or an error event
     when the upstream broke off or the store could not record), so a client
-    that saw the end of the stream sees a recorded call. A client that
+    that saw the end of the stream sees a recorded call; the chunks that came
+    with the upstream's end go out with it, in one write. A client that
     disconnects cancels the relay: the stream is closed then, and its call
     recorded as incomplete.
     """
@@ -440,10 +449,11 @@ class EventStreamResponse:
             while batch := await stream.next_batch():
                 if held:
                     batch, held = held + batch, []
-                elif not self._started and len(batch) == 1 and stream.endpoint == CHAT:
+                if stream.ended or (not self._started and len(batch) == 1 and stream.endpoint == CHAT):
                     held = batch
                     continue
                 await self._write(send, sse_events(c.raw for c in batch))
+                stream.assemble()
         finally:
             await stream.close()
         error = stream.error or stream.record_error
@@ -452,6 +462,6 @@ class EventStreamResponse:
         await self._write(send, sse_events(c.raw for c in held) + tail if held else tail, more_body=False)
 
 
-async def one_batch(items: list[bytes]) -> AsyncIterator[list[bytes]]:
-    """``items`` as a stream's one batch (the chunks of an answer that came whole)."""
-    yield items
+async def one_batch(items: list[bytes]) -> Batches:
+    """``items`` as a stream's one and last batch (the chunks of an answer that came whole)."""
+    yield items, True
