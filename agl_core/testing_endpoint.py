@@ -35,7 +35,7 @@ Knobs for tests: ``fail_next`` (statuses to answer the next calls with, e.g.
 ``[503, 429]``), ``delay_s`` (sleep before answering), ``token_delay_s``
 (sleep between streamed chunks), ``requests`` (the last bodies received),
 ``streams_cut`` (streams whose client left before their end). Run it alone
-with ``python -m agl_core.testing_endpoint --port 0``; it prints its URL.
+with ``python -m agl_core.testing_endpoint --port 0 [--token-delay-s S]``; it prints its URL.
 """
 
 from __future__ import annotations
@@ -353,8 +353,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--token-delay-s", type=float, default=0.0, help="pause between streamed chunks")
     args = parser.parse_args()
-    server = TestEndpoint().serve(args.host, args.port)
+    endpoint = TestEndpoint()
+    endpoint.token_delay_s = args.token_delay_s
+    server = endpoint.serve(args.host, args.port)
     print(server.url, flush=True)
     try:
         while True:

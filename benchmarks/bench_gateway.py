@@ -23,7 +23,12 @@ Then the Anthropic Messages and OpenAI Responses calls against chat calls
 through the gateway, not streamed and streamed (:func:`translation_phase`):
 each translation at most 0.5 ms p50 over a chat call.
 
-    python benchmarks/bench_gateway.py [--agents 32] [--calls 3000]
+With ``--token-delay-ms`` the test endpoint paces its chunks as a model
+does (vLLM: one every 10-30 ms); back to back (the default) its streaming
+competes with the gateway's relay for the cores, which the streamed figures
+then hold.
+
+    python benchmarks/bench_gateway.py [--agents 32] [--calls 3000] [--token-delay-ms 0]
 """
 
 from __future__ import annotations
@@ -189,13 +194,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--agents", type=int, default=32, help="concurrent agents of the throughput phase")
     parser.add_argument("--calls", type=int, default=3000, help="calls per phase and path")
+    parser.add_argument("--token-delay-ms", type=float, default=0.0,
+                        help="the test endpoint's pause between streamed chunks (0: back to back, the worst case: "
+                             "its streaming then competes with the gateway's relay for the cores)")
     parser.add_argument("--serve-gateway", nargs=2, metavar=("UPSTREAM", "N_ROLLOUTS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_gateway:
         serve_gateway(args.serve_gateway[0], int(args.serve_gateway[1]))
         return
 
-    endpoint, endpoint_url = start(["-m", "agl_core.testing_endpoint"])
+    endpoint, endpoint_url = start(["-m", "agl_core.testing_endpoint",
+                                    "--token-delay-s", str(args.token_delay_ms / 1000)])
     gateway, gateway_url = start([__file__, "--serve-gateway", endpoint_url + "/v1", str(args.agents)])
     try:
         agent_body = {"model": "policy", "messages": MESSAGES}
@@ -248,6 +257,7 @@ def main() -> None:
         "first_token_added_p50_ms": round(streaming["gateway_stream"]["first_token_p50_ms"]
                                           - streaming["direct_stream"]["first_token_p50_ms"], 3),
         "stream_chunks_per_call": len(TOKENS_OF_REPLY),
+        "token_delay_ms": args.token_delay_ms,
         # Issue 16: the Anthropic Messages and OpenAI Responses translations, each at most 0.5 ms p50 over a chat call.
         "translations": results["translations"],
         "translations_streamed": results["translations_streamed"],

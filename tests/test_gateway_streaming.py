@@ -363,4 +363,5 @@ def test_a_chunk_that_is_not_json_stops_the_assembly_and_errs_the_stream_at_its_
 
     relayed_chunks, stream = asyncio.run(read())
     assert relayed_chunks == 3  # the relay goes on: the error is the recording's
-    assert stream.assembly.chunks == 1 and stream.error == "the policy server streamed a chunk that is not a JSON object"
+    assert stream.assembly.chunks == 1
+    assert stream.error == "the policy server streamed a chunk that is not a JSON object"
