@@ -196,7 +196,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=3000, help="calls per phase and path")
     parser.add_argument("--token-delay-ms", type=float, default=0.0,
                         help="the test endpoint's pause between streamed chunks (0: back to back, the worst case: "
-                             "its streaming then competes with the gateway's relay for the cores)")
+                             "its streaming then competes with the gateway's relay for the cores; else at least 1: "
+                             "uvloop's timers count whole milliseconds)")
     parser.add_argument("--serve-gateway", nargs=2, metavar=("UPSTREAM", "N_ROLLOUTS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_gateway:
