@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 
 from agl_core.gateway import anthropic, responses
 from agl_core.gateway.capture import CHAT
-from agl_core.gateway.streaming import CallStream, EventStreamResponse
+from agl_core.gateway.streaming import EVENT_STREAM_HEADERS, CallStream, EventStreamResponse
 from agl_core.gateway.translate import require, upstream_error_message
 from agl_core.http_rules import RequestError, check_bearer, error_response, parse_json_object, read_body
 
@@ -151,8 +151,8 @@ class TranslatedEventStream(EventStreamResponse):
     ``events`` has ``start()`` (the frames before any chunk), ``add(chunk)``
     and ``end(answer, error)`` (the closing frames, from the chunks assembled,
     or the error the call broke off with). As for a chat stream, the first
-    chunk when it came alone waits for the next, the headers go out with the
-    first frames, a client that disconnects cancels the relay and the call is recorded incomplete,
+    chunk when it came alone waits for the next, a client that disconnects
+    cancels the relay and the call is recorded incomplete,
     and at the end the call is recorded before the closing frames go out;
     ``finished(answer)`` runs then, when the answer came whole and was recorded.
     """
@@ -163,6 +163,7 @@ class TranslatedEventStream(EventStreamResponse):
 
     async def _relay(self, send) -> None:
         stream, events = self.stream, self.events
+        await send({"type": "http.response.start", "status": 200, "headers": EVENT_STREAM_HEADERS})
         frames: list[bytes] = []
         try:
             frames = events.start()
@@ -173,7 +174,7 @@ class TranslatedEventStream(EventStreamResponse):
                 for chunk in batch:
                     frames += events.add(chunk.data)
                 if frames and not (first and len(batch) == 1) and not stream.ended:
-                    await self._write(send, b"".join(frames))
+                    await send({"type": "http.response.body", "body": b"".join(frames), "more_body": True})
                     frames = []
                     stream.assemble()
                 first = False
@@ -186,4 +187,4 @@ class TranslatedEventStream(EventStreamResponse):
         tail = frames + events.end(answer, error)  # frames: those not sent yet
         if error is None and answer is not None and self.finished is not None:
             self.finished(answer)
-        await self._write(send, b"".join(tail), more_body=False)
+        await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})

@@ -29,7 +29,7 @@ from agl_core.http_rules import RequestError
 DONE = b"[DONE]"
 DONE_EVENT = b"data: [DONE]\n\n"
 EVENT_STREAM = "text/event-stream"
-EVENT_STREAM_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+EVENT_STREAM_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"))
 
 
 def sse_event(payload: bytes) -> bytes:
@@ -395,11 +395,10 @@ class CallStream:
 class EventStreamResponse:
     """The ASGI response relaying a :class:`CallStream` to the client as server-sent events.
 
-    Each chunk goes out as it arrives, but for a chat stream's first chunk
-    when it came alone: that one (the role's, no token yet, in vLLM's layout)
-    waits for the next, and the response's headers wait for the first body
-    (:meth:`_write`): the client wakes once for the first token, not three
-    times, which on busy cores is what the first token waits for. At the end
+    Each chunk goes out as it arrives, but a chat stream's first chunk when
+    it came alone (the role's, no token yet, in vLLM's layout) waits for the
+    next, so that the client wakes once for it and the first token, not
+    twice, which on busy cores is what the first token waits for. At the end
     the call is recorded before the last event (``[DONE]``, or an error event
     when the upstream broke off or the store could not record), so a client
     that saw the end of the stream sees a recorded call; the chunks that came
@@ -410,7 +409,6 @@ class EventStreamResponse:
 
     def __init__(self, stream: CallStream):
         self.stream = stream
-        self._started = False
 
     async def __call__(self, scope, receive, send) -> None:
         # The relay runs in this task; a watcher cancels it when the client disconnects (what Starlette's
@@ -435,31 +433,26 @@ class EventStreamResponse:
             done = True
             watcher.cancel()
 
-    async def _write(self, send, body: bytes, more_body: bool = True) -> None:
-        """Send ``body``, preceded by the response's start the first time: one wake-up of the client for both."""
-        if not self._started:
-            self._started = True
-            await send({"type": "http.response.start", "status": 200, "headers": EVENT_STREAM_HEADERS})
-        await send({"type": "http.response.body", "body": body, "more_body": more_body})
-
     async def _relay(self, send) -> None:
         stream = self.stream
-        held: list[Chunk] = []  # a chat stream's first chunk, when it came alone
+        await send({"type": "http.response.start", "status": 200, "headers": EVENT_STREAM_HEADERS})
+        held: list[Chunk] = []  # chunks that go out with the next write (see the class)
+        first = True
         try:
             while batch := await stream.next_batch():
-                if held:
-                    batch, held = held + batch, []
-                if stream.ended or (not self._started and len(batch) == 1 and stream.endpoint == CHAT):
-                    held = batch
+                batch, held = held + batch, []
+                if stream.ended or (first and len(batch) == 1 and stream.endpoint == CHAT):
+                    held, first = batch, False
                     continue
-                await self._write(send, sse_events(c.raw for c in batch))
+                first = False
+                await send({"type": "http.response.body", "body": sse_events(c.raw for c in batch), "more_body": True})
                 stream.assemble()
         finally:
             await stream.close()
         error = stream.error or stream.record_error
         tail = DONE_EVENT if error is None else sse_event(dumps({"error": {"message": error, "type": "server_error",
                                                                            "code": 502}})) + DONE_EVENT
-        await self._write(send, sse_events(c.raw for c in held) + tail if held else tail, more_body=False)
+        await send({"type": "http.response.body", "body": sse_events(c.raw for c in held) + tail, "more_body": False})
 
 
 async def one_batch(items: list[bytes]) -> Batches:
