@@ -29,14 +29,25 @@ steps between the first and the last step's record, validations included,
 which is fair to both: an asynchronous run's validation also waits for the
 next step's games queued before it). Goals on 2 cores: steps per minute >= 1.25x
 synchronous, time to validation reward 0.9 no worse than synchronous on every
-seed, final validation reward >= 0.95 on every seed.
+seed, final validation reward >= 0.95 on every seed. ``--prefetch-share S``
+sets ``trainer.async.prefetch_share`` of the asynchronous runs.
 
-    python benchmarks/bench_learning.py [--seeds 0 1 2] [--async K [--no-tis]] [overrides ...]
+``--recipe`` trains another recipe the same way, e.g.
+``examples/guess_number/recipe_ray.yaml``: the same game with the agents,
+the store and the gateway in processes of their own. (In the trainer's
+process the rollout plane's Python shares the trainer's interpreter lock, and
+on 2 cores an asynchronous run of the default recipe gains little: see
+docs/async.md, Figures.) ``--keep DIR`` keeps the runs' directories
+(``metrics.jsonl``, logs) for a look at the ``async/…`` metrics.
+
+    python benchmarks/bench_learning.py [--seeds 0 1 2] [--async K [--no-tis] [--prefetch-share S]]
+                                        [--recipe R] [--keep DIR] [overrides ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -60,9 +71,9 @@ def read_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.endswith("}")]  # the last line may be half written
 
 
-def run_seed(seed: int, run_dir: Path, overrides: list[str]) -> dict:
+def run_seed(seed: int, run_dir: Path, overrides: list[str], recipe: Path = RECIPE) -> dict:
     """Train one seed; return its figures."""
-    command = [sys.executable, "-m", "agl_core.cli", "train", str(RECIPE), f"trainer.seed={seed}",
+    command = [sys.executable, "-m", "agl_core.cli", "train", str(recipe), f"trainer.seed={seed}",
                f"trainer.run_dir={run_dir}", "trainer.progress=false", *overrides]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     metrics_file = run_dir / "metrics.jsonl"
@@ -128,31 +139,41 @@ def main() -> None:
     parser.add_argument("--no-tis", action="store_true",
                         help="with --async: train without the TIS correction (on by default: one-step-stale "
                              "samples of the default recipe learn worse without it)")
+    parser.add_argument("--prefetch-share", type=float, default=None, metavar="S",
+                        help="with --async: trainer.async.prefetch_share of the asynchronous runs (default: the "
+                             "recipe's)")
+    parser.add_argument("--recipe", type=Path, default=RECIPE,
+                        help="the recipe to train (default: examples/guess_number/recipe.yaml)")
+    parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                        help="keep the runs' directories (metrics.jsonl, logs) under DIR instead of a temporary one")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. trainer.total_steps=40")
     args = parser.parse_args()
+    recipe = args.recipe.resolve()
     modes = {"sync": []} if args.max_staleness is None else {
         "sync": ["trainer.async.max_staleness=0"],
         "async": [f"trainer.async.max_staleness={args.max_staleness}"]
-        + ([] if args.no_tis else ["algorithm.rollout_correction.rollout_is=token"])}
+        + ([] if args.no_tis else ["algorithm.rollout_correction.rollout_is=token"])
+        + ([] if args.prefetch_share is None else [f"trainer.async.prefetch_share={args.prefetch_share}"])}
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
-    with tempfile.TemporaryDirectory(prefix="bench_learning_") as tmp:
+    keep = contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory(prefix="bench_learning_")
+    with keep as tmp:
         for seed in args.seeds:
             for mode, extra in modes.items():
                 run_dir = Path(tmp) / mode / f"seed{seed}" / "run"
-                run_dir.parent.mkdir(parents=True)
-                runs[mode].append(run_seed(seed, run_dir, args.overrides + extra))
+                run_dir.parent.mkdir(parents=True, exist_ok=True)
+                runs[mode].append(run_seed(seed, run_dir, args.overrides + extra, recipe))
                 print(f"{mode} seed {seed}: {json.dumps(runs[mode][-1])}", file=sys.stderr)
     if args.max_staleness is None:
-        print(json.dumps(summary(runs["sync"], args.seeds)))
+        print(json.dumps(summary(runs["sync"], args.seeds, recipe)))
         return
-    sync, asynchronous = summary(runs["sync"], args.seeds), summary(runs["async"], args.seeds)
+    sync, asynchronous = summary(runs["sync"], args.seeds, recipe), summary(runs["async"], args.seeds, recipe)
     ratio = (asynchronous["steps_per_min_wall"] / sync["steps_per_min_wall"]
              if sync["steps_per_min_wall"] and asynchronous["steps_per_min_wall"] else None)
     no_slower = [a is not None and (s is None or a <= s)
                  for s, a in zip(sync["time_to_0.9_s"], asynchronous["time_to_0.9_s"])]
     print(json.dumps({
         "benchmark": "learning_async",
-        "recipe": str(RECIPE.relative_to(ROOT)),
+        "recipe": shown(recipe),
         "max_staleness": args.max_staleness,
         "async_overrides": modes["async"],
         "seeds": args.seeds,
@@ -166,7 +187,12 @@ def main() -> None:
     }))
 
 
-def summary(runs: list[dict], seeds: list[int]) -> dict:
+def shown(recipe: Path) -> str:
+    """The recipe's path as the figures name it: relative to the repository when it is in it."""
+    return str(recipe.relative_to(ROOT)) if recipe.is_relative_to(ROOT) else str(recipe)
+
+
+def summary(runs: list[dict], seeds: list[int], recipe: Path) -> dict:
     """The figures of one set of runs (one per seed)."""
     # ru_maxrss of the children: the peak resident set of the largest run, in KiB on Linux.
     peak_rss_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
@@ -174,7 +200,7 @@ def summary(runs: list[dict], seeds: list[int]) -> dict:
     walls = [r["steps_per_min_wall"] for r in runs if r["steps_per_min_wall"]]
     return {
         "benchmark": "learning",
-        "recipe": str(RECIPE.relative_to(ROOT)),
+        "recipe": shown(recipe),
         "seeds": seeds,
         "start_val_reward": [r["start_val_reward"] for r in runs],
         "end_val_reward": [r["end_val_reward"] for r in runs],
