@@ -301,10 +301,13 @@ def main() -> None:
         endpoint_url = endpoint.stdout.readline().strip() + "/v1"
         with tempfile.TemporaryDirectory(prefix="bench_runners_") as tmp:
             tmp = Path(tmp)
+            # The latency phase first: the Ray cluster of the throughput phase takes a while to wind down, and
+            # its processes' work would land in a figure of fractions of a millisecond.
+            latency = store_latency(tmp, args.store_rollouts)
             line = {"bench": "runners",
                     "throughput": throughput(endpoint_url, tmp / "throughput", args.rollouts, args.rounds,
                                              calibrate(WORK_MS), args.workers),
-                    "store_latency": store_latency(tmp, args.store_rollouts)}
+                    "store_latency": latency}
             if args.recipes:
                 line["recipes"] = recipes(tmp, args.steps)
     finally:
