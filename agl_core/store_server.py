@@ -231,6 +231,12 @@ def _release(store: Store, body: _Ids) -> dict[str, Any]:
     return {}
 
 
+def _get_rollouts(store: Store, rollout_ids: list[str]) -> bytes:
+    """The answer's JSON; from the store's own JSON when it keeps its spans as JSON (agl-plugin-sqlite's does)."""
+    as_json = getattr(store, "get_rollouts_json", None)
+    return as_json(rollout_ids) if as_json is not None else _rollouts(store.get_rollouts(rollout_ids))
+
+
 def _rollouts(rollouts: list) -> bytes:
     return Rollouts.model_construct(rollouts=rollouts).model_dump_json().encode()
 
@@ -248,7 +254,7 @@ METHODS: dict[str, tuple[type[_Body], Callable[[Store, Any], dict[str, Any] | by
     "next_sequence_id": (_RolloutKey, lambda s, b: {"sequence_id": s.next_sequence_id(b.rollout_id)}),
     "add_spans": (_Spans, _add_spans),
     "wait": (_Wait, lambda s, b: {"done": sorted(s.wait(b.rollout_ids, min(b.timeout_s, LONG_POLL_S)))}),
-    "get_rollouts": (_Ids, lambda s, b: _rollouts(s.get_rollouts(b.rollout_ids))),
+    "get_rollouts": (_Ids, lambda s, b: _get_rollouts(s, b.rollout_ids)),
     "query": (_Query, lambda s, b: _rollouts(s.query(b.statuses))),
     "release": (_Ids, _release),
 }

@@ -22,6 +22,7 @@ from agl_core.components import Components
 from agl_core.context import TrainContext
 from agl_core.data import Span, Task
 from agl_core.store import NewRollout
+from agl_core.store_client import Rollouts
 
 
 def read_lines(proc, until, timeout_s=60.0):
@@ -327,3 +328,20 @@ def test_a_failing_span_writer_reports_its_first_error_naming_the_file_and_print
             store.flush()
     store.close()
     assert capfd.readouterr().err == ""
+
+
+def test_get_rollouts_json_is_the_json_of_get_rollouts(tmp_path):
+    """The store service answers get_rollouts with it: the spans' JSON as the file holds it, not parsed again."""
+    store = SqliteStore(tmp_path / "r.sqlite")
+    store.enqueue([NewRollout("a", Task(id="t", input={"q": 1}), metadata={"spans": [], "text": '"spans":[]'}),
+                   NewRollout("b", Task(id="t", input={}))])
+    attempt = store.dequeue("w", 30)
+    store.add_spans([Span(rollout_id="a", attempt_id=attempt.attempt_id, sequence_id=i, kind="llm_call",
+                          prompt_token_ids=[1, 2], response_token_ids=[3], response_logprobs=[-0.1])
+                     for i in (2, 0, 1)])
+    store.finish("a", attempt.attempt_id, "succeeded", 1.0)
+    wanted = ["a", "b", "not-held"]
+    assert Rollouts.model_validate_json(store.get_rollouts_json(wanted)).rollouts == store.get_rollouts(wanted)
+    assert [s.sequence_id for s in store.get_rollouts(["a"])[0].spans] == [0, 1, 2]
+    assert store.get_rollouts_json([]) == b'{"rollouts":[]}'
+    store.close()

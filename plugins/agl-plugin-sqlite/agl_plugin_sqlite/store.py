@@ -34,7 +34,7 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from agl_core.data import Rollout, Span, Task
@@ -379,19 +379,27 @@ class SqliteStore:
                 return done
 
     def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout]:
+        return [_rollout(row, [Span.model_validate_json(text) for text in spans])
+                for row, spans in self._rollout_rows(rollout_ids)]
+
+    def get_rollouts_json(self, rollout_ids: Sequence[str]) -> bytes:
+        """``{"rollouts": [...]}``, the JSON of :meth:`get_rollouts`' answer, with each span's JSON as the file
+        holds it (the store service answers with it: no span is parsed here only to be written out again)."""
+        parts = [_rollout(row, []).model_dump_json(exclude={"spans"}).encode()[:-1]
+                 + b',"spans":[' + ",".join(spans).encode() + b"]}" for row, spans in self._rollout_rows(rollout_ids)]
+        return b'{"rollouts":[' + b",".join(parts) + b"]}"
+
+    def _rollout_rows(self, rollout_ids: Sequence[str]) -> Iterator[tuple[tuple, list[str]]]:
+        """Each held rollout's row and the JSON of its last attempt's spans, by sequence id."""
         self.flush()
         conn = self._connection()
-        out = []
         for rollout_id in rollout_ids:
             row = conn.execute(f"SELECT {_COLUMNS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)).fetchone()
-            if row is None:
-                continue
-            attempt_id = str(row[5]) if row[5] else None
-            spans = [Span.model_validate_json(text) for (text,) in conn.execute(
-                "SELECT span FROM spans WHERE rollout_id = ? AND attempt_id = ? ORDER BY sequence_id",
-                (rollout_id, attempt_id))]
-            out.append(_rollout(row, spans))
-        return out
+            if row is not None:
+                attempt_id = str(row[5]) if row[5] else None
+                yield row, [text for (text,) in conn.execute(
+                    "SELECT span FROM spans WHERE rollout_id = ? AND attempt_id = ? ORDER BY sequence_id",
+                    (rollout_id, attempt_id))]
 
     def query(self, statuses: Sequence[str] | None = None) -> list[Rollout]:
         sql = f"SELECT {_COLUMNS} FROM rollouts WHERE consumed = 0"
