@@ -333,7 +333,7 @@ def test_a_stream_assembles_what_came_when_asked_and_the_rest_when_closed():
     async def read():
         stream = CallStream(CHAT, upstream(), on_close)
         seen = []
-        while batch := await stream.next_batch():
+        while await stream.next_batch():
             seen.append(stream.assembly.chunks)
             if len(seen) == 1:
                 stream.assemble()  # as a relay does once it wrote a batch
