@@ -44,10 +44,10 @@ def error_response(status: int, message: str) -> Response:
     return Response(error_body(status, message), status_code=status, media_type="application/json")
 
 
-def error_body(status: int, message: str) -> bytes:
-    """The JSON of :func:`error_response`."""
-    kind = ("authentication_error" if status == 401 else "invalid_request_error" if status < 500
-            else "api_error")
+def error_body(status: int, message: str, kind: str | None = None) -> bytes:
+    """The JSON of :func:`error_response`; ``kind``, when given, instead of the type the status implies."""
+    kind = kind or ("authentication_error" if status == 401 else "invalid_request_error" if status < 500
+                    else "api_error")
     return json.dumps({"error": {"message": message, "type": kind, "code": status}}, ensure_ascii=False,
                       separators=(",", ":")).encode()
 

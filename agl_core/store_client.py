@@ -257,7 +257,9 @@ class HttpStore:
         head = json.dumps({"rollout_id": rollout_id, "attempt_id": attempt_id, "n": n}).encode()
 
         def send(spans: list[Span]) -> tuple[int, bytes, bool]:
-            answer = self._exchange("admit", head[:-1] + b', "spans": ' + _spans_json(spans) + b"}" if spans else head)
+            answer = self._exchange("admit", head[:-1] + b', "spans": '
+                                    + _json_list([span.model_dump_json().encode() for span in spans]) + b"}"
+                                    if spans else head)
             if spans and answer[0] >= 300:  # the spans go back to the uploader, whose own upload reports a refusal
                 raise _NotCarried
             return answer
@@ -295,10 +297,10 @@ class HttpStore:
             parts.append(span.model_dump_json().encode())
             size += len(parts[-1])
             if size >= self._batch_bytes:
-                self._call("add_spans", b'{"spans":[' + b",".join(parts) + b"]}")
+                self._call("add_spans", b'{"spans":' + _json_list(parts) + b"}")
                 parts, size = [], 0
         if parts:
-            self._call("add_spans", b'{"spans":[' + b",".join(parts) + b"]}")
+            self._call("add_spans", b'{"spans":' + _json_list(parts) + b"}")
 
     def _upload_failure(self, error: BaseException) -> str:
         return f"spans cannot be uploaded to the store service at {self.url}: {error}"
@@ -397,8 +399,9 @@ class _NotCarried(Exception):
     """An ``admit`` the service refused with spans riding on it: asked again without them."""
 
 
-def _spans_json(spans: list[Span]) -> bytes:
-    return b"[" + b",".join(span.model_dump_json().encode() for span in spans) + b"]"
+def _json_list(items: list[bytes]) -> bytes:
+    """The JSON list of ``items``, each already JSON (spans as ``model_dump_json`` writes them)."""
+    return b"[" + b",".join(items) + b"]"
 
 
 def _message(raw: bytes) -> str:

@@ -388,7 +388,7 @@ class StoreService:
             return exc.status, error_body(exc.status, str(exc))
         except KeyError as exc:  # the protocol's "a rollout the store does not hold"
             message = str(exc.args[0]) if exc.args else "unknown rollout"
-            return 404, json.dumps({"error": {"message": message, "type": UNKNOWN_ROLLOUT, "code": 404}}).encode()
+            return 404, error_body(404, message, kind=UNKNOWN_ROLLOUT)
         except ValueError as exc:  # the store refuses the request (a rollout id already queued, ...)
             return 400, error_body(400, str(exc))
         except Exception as exc:  # noqa: BLE001 - the request fails alone; the service goes on

@@ -39,7 +39,7 @@ def sse_event(payload: bytes) -> bytes:
 
 def sse_events(payloads: Iterable[bytes]) -> bytes:
     """:func:`sse_event` of each of ``payloads``, in one bytes."""
-    return b"".join([b"data: " + payload + b"\n\n" for payload in payloads])
+    return b"".join([sse_event(payload) for payload in payloads])
 
 
 class SSEParser:
