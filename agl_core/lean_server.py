@@ -23,7 +23,14 @@ protocol code, on the parser uvicorn uses:
   accepting, lets the requests in flight finish (up to ``shutdown_timeout_s``)
   and closes every connection.
 
-- the ASGI lifespan protocol, for an app that speaks it.
+- the ASGI lifespan protocol, for an app that speaks it;
+- an app's fast path: an app with an ``answer_now(method, path, headers,
+  body)`` method is asked first for each request read whole (when no
+  earlier request of the connection is still being answered). It returns
+  ``(status, JSON body)`` to answer at once, on the parser's call, or None
+  to go the ASGI way. A store call is a few tens of microseconds of work;
+  the task, the scope and the ASGI messages of the ASGI way cost as much
+  again (measured: see ``docs/design-decisions.md``).
 
 Not served: upgrades (the ``Upgrade`` header is ignored: the request is
 answered as plain HTTP, then the connection closed), HTTP/2 and trailers.
@@ -58,6 +65,7 @@ class LeanServer:
     def __init__(self, app: Any, *, max_body_bytes: int, body_timeout_s: float = 60.0, keep_alive_s: float = 60.0,
                  shutdown_timeout_s: float = 10.0):
         self.app, self.max_body_bytes = app, max_body_bytes
+        self.answer_now = getattr(app, "answer_now", None)
         self.body_timeout_s, self.keep_alive_s, self.shutdown_timeout_s = body_timeout_s, keep_alive_s, \
             shutdown_timeout_s
         self.started = self.should_exit = False
@@ -158,7 +166,7 @@ class _Request:
         path, _, query = self.url.partition(b"?")
         conn = self.conn
         return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": self.http_version,
-                "method": self.method, "scheme": "http", "path": urllib.parse.unquote(path.decode("latin-1")),
+                "method": self.method, "scheme": "http", "path": _unquoted(path),
                 "raw_path": path, "query_string": query, "root_path": "", "headers": self.headers,
                 "client": conn.peer, "server": conn.local}
 
@@ -194,15 +202,7 @@ class _Request:
             extra = [] if has_length or self.chunked else [(b"content-length", b"%d" % len(body))]
             if self.chunked:
                 extra.append((b"transfer-encoding", b"chunked"))
-            if not self.keep_alive:
-                extra.append((b"connection", b"close"))
-            try:
-                phrase = http.HTTPStatus(self.status).phrase.encode()
-            except ValueError:
-                phrase = b""
-            out.append(b"HTTP/1.1 %d %s\r\n" % (self.status, phrase))
-            out.extend(b"%s: %s\r\n" % header for header in self.response_headers + extra)
-            out.append(b"\r\n")
+            out.append(_head(self.status, self.response_headers + extra, self.keep_alive))
             self.status = None
         if self.chunked:
             if body:
@@ -305,6 +305,9 @@ class _Connection(asyncio.Protocol):
         request, self.parsing = self.parsing, None
         request.keep_alive = self.parser.should_keep_alive()
         self._time_out(None, None)
+        if self.server.answer_now is not None and self.answering is None and not self.waiting \
+                and self._answered_now(request):
+            return
         self.waiting.append(request)
         if len(self.waiting) > MAX_PIPELINED and self.reading:
             self.reading = False
@@ -312,6 +315,26 @@ class _Connection(asyncio.Protocol):
         self._answer_next()
 
     # ---------------------------------------------------------------- answering
+
+    def _answered_now(self, request: _Request) -> bool:
+        """Whether the app's fast path answered ``request`` (see the module docstring)."""
+        body = b"".join(request.body)
+        try:
+            answer = self.server.answer_now(request.method, request.url, request.headers, body)
+        except Exception:  # noqa: BLE001 - the request fails alone; the server goes on
+            log.exception("the app's fast path failed on %s %s", request.method, request.url[:200])
+            answer = 500, error_body(500, "internal error")
+        if answer is None:
+            request.body = [body]
+            return False
+        status, content = answer
+        self.transport.write(_head(status, [*JSON, (b"content-length", b"%d" % len(content))], request.keep_alive)
+                             + content)
+        if request.keep_alive:
+            self._time_out(self.server.keep_alive_s, None)
+        else:
+            self.transport.close()
+        return True
 
     def _answer_next(self) -> None:
         if self.answering is None and self.waiting and not self.gone.is_set():
@@ -384,6 +407,30 @@ class _Refusal(Exception):
         self.status = status
 
 
+JSON = [(b"content-type", b"application/json")]
+_STATUS_LINES: dict[int, bytes] = {}
+
+
+def _head(status: int, headers: list[tuple[bytes, bytes]], keep_alive: bool) -> bytes:
+    """An answer's status line and headers (``Connection: close`` added when the connection ends with it)."""
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        try:
+            phrase = http.HTTPStatus(status).phrase.encode()
+        except ValueError:
+            phrase = b""
+        line = _STATUS_LINES[status] = b"HTTP/1.1 %d %s\r\n" % (status, phrase)
+    if not keep_alive:
+        headers = [*headers, (b"connection", b"close")]
+    return line + b"".join(b"%s: %s\r\n" % header for header in headers) + b"\r\n"
+
+
+def _unquoted(path: bytes) -> str:
+    """ASGI's ``path``: the URL's path, percent-decoded."""
+    text = path.decode("latin-1")
+    return urllib.parse.unquote(text) if "%" in text else text
+
+
 def _host_port(address: Any) -> tuple[str, int] | None:
     """ASGI's (host, port) of a socket address (IPv6 ones have four parts; a Unix socket's is a path)."""
     return tuple(address[:2]) if isinstance(address, tuple) else None
@@ -392,6 +439,5 @@ def _host_port(address: Any) -> tuple[str, int] | None:
 async def _plain(request: _Request, status: int, message: str) -> None:
     """A JSON error answer in the project's format (:func:`agl_core.http_rules.error_response`)."""
     body = error_body(status, message)
-    await request.send({"type": "http.response.start", "status": status,
-                        "headers": [(b"content-type", b"application/json")]})
+    await request.send({"type": "http.response.start", "status": status, "headers": JSON})
     await request.send({"type": "http.response.body", "body": body})

@@ -54,6 +54,7 @@ from __future__ import annotations
 import json
 import socket
 import ssl
+import struct
 import threading
 import time
 import urllib.parse
@@ -354,19 +355,29 @@ class _Connection:
         if self.sock is None:
             sock = socket.create_connection(self.address, timeout=self.connect_timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls is None:  # blocking, the timeout in the kernel: one system call per send or receive
+                sock.settimeout(None)
             self.sock = sock if self.tls is None else self.tls.wrap_socket(sock, server_hostname=self.address[0])
             self.timeout_s = None
-        if timeout_s != self.timeout_s:  # each settimeout costs system calls; most requests ask the same
-            self.sock.settimeout(timeout_s)
+        if timeout_s != self.timeout_s:  # setting a timeout costs system calls; most requests ask the same
+            if self.tls is None:
+                timeval = struct.pack("ll", int(timeout_s), int(timeout_s % 1 * 1e6))
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+            else:  # Python's timeout (a poll before each call): TLS reads and writes are not one system call each
+                self.sock.settimeout(timeout_s)
             self.timeout_s = timeout_s
-        self.sock.sendall(request)
-        answer = _Answer()
-        answer.parser = httptools.HttpResponseParser(answer)
-        while not answer.complete:
-            data = self.sock.recv(1 << 16)
-            if not data:
-                raise ConnectionResetError("the service closed the connection before it answered")
-            answer.parser.feed_data(data)
+        try:
+            self.sock.sendall(request)
+            answer = _Answer()
+            answer.parser = httptools.HttpResponseParser(answer)
+            while not answer.complete:
+                data = self.sock.recv(1 << 16)
+                if not data:
+                    raise ConnectionResetError("the service closed the connection before it answered")
+                answer.parser.feed_data(data)
+        except BlockingIOError:  # the kernel's timeout
+            raise TimeoutError(f"no answer within {timeout_s:g} s") from None
         if not answer.keep_alive:
             self.close()
         return answer.parser.get_status_code(), b"".join(answer.body)

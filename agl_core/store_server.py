@@ -104,6 +104,7 @@ THREADS = 256
 MAX_BODY_BYTES = 64 * 2**20
 RESERVE_SEQUENCE_IDS = 256
 PREFIX = "/v1/store/"
+PREFIX_BYTES = PREFIX.encode()
 WAITING_METHODS = {"dequeue": "wait_s", "wait": "timeout_s"}
 """Methods that may wait (long polls), and the field that says how long: they wait on the pool."""
 SPAN_WAIT_S = 5.0
@@ -270,8 +271,24 @@ def _final(method: str, body: Any, answer: dict[str, Any]) -> bool:
 JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
-def _header(scope: dict[str, Any], name: bytes) -> str:
-    return next((value.decode("latin-1") for key, value in scope["headers"] if key == name), "")
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str:
+    return next((value.decode("latin-1") for key, value in headers if key == name), "")
+
+
+def _json(answer: dict[str, Any] | bytes) -> bytes:
+    return answer if isinstance(answer, bytes) else json.dumps(answer).encode()
+
+
+def _refusal(method: str, exc: Exception) -> tuple[int, bytes]:
+    """(status, JSON error) of a store call that failed with ``exc``."""
+    if isinstance(exc, RequestError):
+        return exc.status, error_body(exc.status, str(exc))
+    if isinstance(exc, KeyError):  # the protocol's "a rollout the store does not hold"
+        return 404, error_body(404, str(exc.args[0]) if exc.args else "unknown rollout", kind=UNKNOWN_ROLLOUT)
+    if isinstance(exc, ValueError):  # the store refuses the request (a rollout id already queued, ...)
+        return 400, error_body(400, str(exc))
+    log.error("store method %s failed", method, exc_info=exc)  # the request fails alone; the service goes on
+    return 500, error_body(500, f"{type(exc).__name__}: {exc}")
 
 
 def _parse(method: str, model: type[_Body], raw: bytes) -> _Body:
@@ -316,9 +333,13 @@ class _AwaitedSpans:
                 if not ids and (event := self._all_arrived.get((span.rollout_id, span.attempt_id))):
                     event.set()
 
+    def pending(self, rollout_id: str, attempt_id: str) -> bool:
+        """Whether spans of the attempt's admitted calls are still to come."""
+        return bool(self._awaited.get(rollout_id, {}).get(attempt_id))
+
     async def wait(self, rollout_id: str, attempt_id: str, timeout_s: float) -> set[int]:
         """Wait until the attempt's awaited spans arrived (or ``timeout_s``); forget them; return those missing."""
-        if self._awaited.get(rollout_id, {}).get(attempt_id) and timeout_s > 0:
+        if self.pending(rollout_id, attempt_id) and timeout_s > 0:
             event = self._all_arrived.setdefault((rollout_id, attempt_id), asyncio.Event())
             try:
                 await asyncio.wait_for(event.wait(), timeout_s)
@@ -326,6 +347,10 @@ class _AwaitedSpans:
                 pass
             finally:
                 self._all_arrived.pop((rollout_id, attempt_id), None)
+        return self.forget_attempt(rollout_id, attempt_id)
+
+    def forget_attempt(self, rollout_id: str, attempt_id: str) -> set[int]:
+        """Forget the attempt's awaited spans; return them (those that never came)."""
         attempts = self._awaited.get(rollout_id, {})
         missing = attempts.pop(attempt_id, set())
         if not attempts:
@@ -349,6 +374,22 @@ class StoreService:
         self._awaited = _AwaitedSpans()
         self.app = self
 
+    def answer_now(self, verb: str, path: bytes, headers: list[tuple[bytes, bytes]],
+                   raw: bytes) -> tuple[int, bytes] | None:
+        """The lean server's fast path (:mod:`agl_core.lean_server`): ``(status, JSON answer)`` of a store call that
+        is answered without waiting, at once on the loop; None for any other request, which then comes through the
+        ASGI app: a long poll that finds nothing yet, a ``finish`` whose last spans are on their way, another route.
+        """
+        if verb != "POST" or not path.startswith(PREFIX_BYTES) or b"%" in path:
+            return None
+        method = path[len(PREFIX_BYTES):].decode("latin-1")
+        try:
+            body = self._checked(method, _header(headers, b"authorization"), raw)
+            answer = self._run_now(method, body)
+        except Exception as exc:  # noqa: BLE001 - each kind of failure has its answer
+            return _refusal(method, exc)
+        return None if answer is None else (200, _json(answer))
+
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """The ASGI app (HTTP only: it has nothing to set up). Two routes, so no router, and no request or response
         objects on the store's route: Starlette's stack cost more than the store call."""
@@ -368,33 +409,50 @@ class StoreService:
     async def _call(self, scope: dict[str, Any], receive: Any, method: str) -> tuple[int, bytes]:
         """(status, JSON answer) of a store method."""
         try:
-            check_authorization(_header(scope, b"authorization"), self.token)
-            if method not in METHODS:
-                raise RequestError(404, f"no store method {method!r}; methods: {', '.join(METHODS)}")
-            model, run = METHODS[method]
-            body = _parse(method, model, await self._read(receive))
-            if method in WAITING_METHODS:  # tried at once on the loop; waited for on the pool if nothing is there yet
-                answer = run(self.store, body.model_copy(update={WAITING_METHODS[method]: 0.0}))
-                if not _final(method, body, answer):
-                    answer = await asyncio.get_running_loop().run_in_executor(self._pool, run, self.store, body)
-            else:
-                if method == "finish":
-                    await self._spans_before_finish(body)
-                if method == "admit" and body.spans:  # spans that rode on the admit: written first, whatever follows
-                    self._keep_books("add_spans", body, _add_spans(self.store, body))
-                answer = run(self.store, body)
-                self._keep_books(method, body, answer)
-        except RequestError as exc:
-            return exc.status, error_body(exc.status, str(exc))
-        except KeyError as exc:  # the protocol's "a rollout the store does not hold"
-            message = str(exc.args[0]) if exc.args else "unknown rollout"
-            return 404, error_body(404, message, kind=UNKNOWN_ROLLOUT)
-        except ValueError as exc:  # the store refuses the request (a rollout id already queued, ...)
-            return 400, error_body(400, str(exc))
-        except Exception as exc:  # noqa: BLE001 - the request fails alone; the service goes on
-            log.exception("store method %s failed", method)
-            return 500, error_body(500, f"{type(exc).__name__}: {exc}")
-        return 200, answer if isinstance(answer, bytes) else json.dumps(answer).encode()
+            body = self._checked(method, _header(scope["headers"], b"authorization"), await self._read(receive))
+            answer = self._run_now(method, body)
+            if answer is None:
+                answer = await self._run_waiting(method, body)
+        except Exception as exc:  # noqa: BLE001 - each kind of failure has its answer
+            return _refusal(method, exc)
+        return 200, _json(answer)
+
+    def _checked(self, method: str, authorization: str, raw: bytes) -> _Body:
+        """The body of a call of ``method`` by a caller that may make it; a RequestError (401, 404, 400) if not."""
+        check_authorization(authorization, self.token)
+        if method not in METHODS:
+            raise RequestError(404, f"no store method {method!r}; methods: {', '.join(METHODS)}")
+        return _parse(method, METHODS[method][0], raw)
+
+    def _run_now(self, method: str, body: Any) -> dict[str, Any] | bytes | None:
+        """The answer of ``method``, run at once on the loop; None when it must wait (:meth:`_run_waiting`)."""
+        run = METHODS[method][1]
+        if method in WAITING_METHODS:  # tried at once; waited for on the pool if nothing is there yet
+            answer = run(self.store, body.model_copy(update={WAITING_METHODS[method]: 0.0}))
+            return answer if _final(method, body, answer) else None
+        if method == "finish":  # after the spans of the calls admitted for the attempt (not for a timed-out one's)
+            if body.status != TIMED_OUT and self._awaited.pending(body.rollout_id, body.attempt_id):
+                return None
+            self._awaited.forget_attempt(body.rollout_id, body.attempt_id)
+        if method == "admit" and body.spans:  # spans that rode on the admit: written first, whatever follows
+            self._keep_books("add_spans", body, _add_spans(self.store, body))
+        answer = run(self.store, body)
+        self._keep_books(method, body, answer)
+        return answer
+
+    async def _run_waiting(self, method: str, body: Any) -> dict[str, Any] | bytes:
+        """The answer of a call :meth:`_run_now` could not give at once: a long poll waits on the pool, a
+        ``finish`` for its attempt's spans (at most :data:`SPAN_WAIT_S`)."""
+        run = METHODS[method][1]
+        if method in WAITING_METHODS:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, run, self.store, body)
+        missing = await self._awaited.wait(body.rollout_id, body.attempt_id, SPAN_WAIT_S)
+        if missing:
+            log.warning("rollout %s attempt %s ended without the spans of calls %s, admitted %g s ago or more "
+                        "(their gateway stopped?)", body.rollout_id, body.attempt_id, sorted(missing), SPAN_WAIT_S)
+        answer = run(self.store, body)
+        self._keep_books(method, body, answer)
+        return answer
 
     async def _read(self, receive: Any) -> bytes:
         """The request body. The lean server read it whole, within its size and time limits, before calling."""
@@ -410,14 +468,6 @@ class StoreService:
                                         f"body limit)")
             if not message.get("more_body"):
                 return b"".join(chunks)
-
-    async def _spans_before_finish(self, body: _Finish) -> None:
-        """Wait for the spans of the calls admitted for the attempt (not for a timed-out one's calls in flight)."""
-        timed_out = body.status == TIMED_OUT
-        missing = await self._awaited.wait(body.rollout_id, body.attempt_id, 0.0 if timed_out else SPAN_WAIT_S)
-        if missing and not timed_out:
-            log.warning("rollout %s attempt %s ended without the spans of calls %s, admitted %g s ago or more "
-                        "(their gateway stopped?)", body.rollout_id, body.attempt_id, sorted(missing), SPAN_WAIT_S)
 
     def _keep_books(self, method: str, body: Any, answer: dict[str, Any] | bytes) -> None:
         """Note the calls admitted and the spans arrived; forget released or cancelled rollouts."""

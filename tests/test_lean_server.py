@@ -246,3 +246,46 @@ def test_an_app_that_speaks_the_lifespan_protocol_is_started_before_and_stopped_
 
     with pytest.raises(RuntimeError, match="no database"):
         ServerThread(failing_startup, lean_body_limit=LIMIT).start()
+
+
+class FastPathApp:
+    """The echo app with a fast path: ``/now`` is answered by ``answer_now`` (``/now-fail`` fails there), anything
+    else goes the ASGI way."""
+
+    def __init__(self):
+        self.answered_now: list[bytes] = []
+
+    def answer_now(self, method, path, headers, body):
+        if path == b"/now-fail":
+            raise RuntimeError("the fast path failed")
+        if path != b"/now":
+            return None
+        self.answered_now.append(body)
+        return 200, json.dumps({"now": body.decode(), "method": method}).encode()
+
+    async def __call__(self, scope, receive, send):
+        await app(scope, receive, send)
+
+
+def test_an_apps_fast_path_answers_at_once_in_order_behind_slower_answers():
+    fast = FastPathApp()
+    with ServerThread(fast, lean_body_limit=LIMIT) as running:
+        with httpx.Client(base_url=running.url) as client:
+            answer = client.post("/now", content=b"quick")
+            assert answer.status_code == 200 and answer.json() == {"now": "quick", "method": "POST"}
+            assert answer.headers["content-type"] == "application/json"
+            echoed = client.post("/other", content=b"asgi")  # None from the fast path: the ASGI app answers
+            assert echoed.status_code == 201 and echoed.json()["body"] == "asgi"
+            failed = client.post("/now-fail", content=b"x")
+            assert failed.status_code == 500 and failed.json()["error"]["message"] == "internal error"
+            assert client.post("/now", content=b"again").status_code == 200  # the connection serves on
+        sock = connect(running)  # behind an answer in progress, requests wait their turn and go the ASGI way
+        sock.sendall(post("/slow", b"1") + post("/now", b"2") + post("/now", b"3", "Connection: close\r\n"))
+        answers = read_answers(sock, 3)
+        assert [json.loads(body)["body"] for _, _, body in answers] == ["1", "2", "3"]
+        assert answers[2][1]["connection"] == "close" and closed(sock)
+        sock = connect(running)  # the fast path closes a connection that asked for it
+        sock.sendall(post("/now", b"4", "Connection: close\r\n"))
+        [(status, headers, _)] = read_answers(sock, 1)
+        assert status == 200 and headers["connection"] == "close" and closed(sock)
+    assert fast.answered_now == [b"quick", b"again", b"4"]
