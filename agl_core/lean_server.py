@@ -44,6 +44,7 @@ import http
 import importlib.util
 import logging
 import socket
+import time
 import urllib.parse
 from typing import Any
 
@@ -55,6 +56,10 @@ log = logging.getLogger("agl_core.lean_server")
 
 MAX_HEADER_BYTES = 64 * 2**10
 MAX_PIPELINED = 32
+SWEEP_S = 0.05
+"""How often connections past their deadline (a request too slow to arrive, keep-alive ended) are closed. One sweep
+of every connection instead of a timer set and cancelled per request: those timers cost about 10 us per request,
+as much as the rest of the server's work on a store call answered by the fast path."""
 """Requests read ahead of the one being answered; reading pauses beyond them."""
 
 
@@ -89,7 +94,10 @@ class LeanServer:
         servers = [await loop.create_server(lambda: _Connection(self), sock=sock, backlog=4096) for sock in sockets]
         self.started = True
         while not self.should_exit:
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(SWEEP_S)
+            now = time.monotonic()
+            for conn in [conn for conn in self.connections if conn.deadline is not None and conn.deadline <= now]:
+                conn.expire()
         for server in servers:
             server.close()
         deadline = loop.time() + self.shutdown_timeout_s
@@ -151,6 +159,9 @@ class _Lifespan:
 
 class _Request:
     """One request: what was parsed, and the ASGI ``receive``/``send`` of its answer."""
+
+    __slots__ = ("conn", "url", "headers", "body", "header_bytes", "body_bytes", "method", "http_version",
+                 "keep_alive", "body_sent", "status", "response_headers", "chunked", "started", "finished")
 
     def __init__(self, conn: _Connection):
         self.conn = conn
@@ -230,7 +241,8 @@ class _Connection(asyncio.Protocol):
         self.answering: _Request | None = None
         self.gone, self.writable = asyncio.Event(), asyncio.Event()
         self.writable.set()
-        self.timer: asyncio.TimerHandle | None = None
+        self.deadline: float | None = None
+        self.expiry_status: int | None = None
         self.reading = True
 
     # ---------------------------------------------------------------- the transport's calls
@@ -287,12 +299,11 @@ class _Connection(asyncio.Protocol):
         request, limit = self.parsing, self.server.max_body_bytes
         request.method = self.parser.get_method().decode("ascii")
         request.http_version = self.parser.get_http_version()
-        headers = dict(request.headers)
-        declared = headers.get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > limit:
-            raise _Refusal(413, f"request body exceeds {limit} bytes")
-        if headers.get(b"expect", b"").lower() == b"100-continue":
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        for name, value in request.headers:
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                raise _Refusal(413, f"request body exceeds {limit} bytes")
+            if name == b"expect" and value.lower() == b"100-continue":
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
         request = self.parsing
@@ -379,15 +390,14 @@ class _Connection(asyncio.Protocol):
         self.transport.close()
 
     def _time_out(self, after_s: float | None, status: int | None) -> None:
-        """From now, close the connection after ``after_s`` (answering ``status`` first, when given); None: never."""
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        if after_s is not None:
-            self.timer = asyncio.get_running_loop().call_later(after_s, self._expire, status)
+        """From now, close the connection after ``after_s`` (answering ``status`` first, when given); None: never.
+        The server's sweep closes it (:data:`SWEEP_S`)."""
+        self.deadline = None if after_s is None else time.monotonic() + after_s
+        self.expiry_status = status
 
-    def _expire(self, status: int | None) -> None:
-        self.timer = None
+    def expire(self) -> None:
+        """The deadline passed: close the connection (after answering the status it was set with, if any)."""
+        status, self.deadline = self.expiry_status, None
         if status is None or self.answering is not None:
             self.transport.close()
         else:

@@ -349,6 +349,7 @@ class _Connection:
         self.address, self.tls, self.connect_timeout_s = address, tls, connect_timeout_s
         self.sock: socket.socket | None = None
         self.timeout_s: float | None = None
+        self.answer = _Answer()
 
     def exchange(self, request: bytes, timeout_s: float) -> tuple[int, bytes]:
         """Send ``request`` and read its answer within ``timeout_s``: (status, body)."""
@@ -367,10 +368,10 @@ class _Connection:
             else:  # Python's timeout (a poll before each call): TLS reads and writes are not one system call each
                 self.sock.settimeout(timeout_s)
             self.timeout_s = timeout_s
+        answer = self.answer
+        answer.body, answer.complete = [], False
         try:
             self.sock.sendall(request)
-            answer = _Answer()
-            answer.parser = httptools.HttpResponseParser(answer)
             while not answer.complete:
                 data = self.sock.recv(1 << 16)
                 if not data:
@@ -386,13 +387,15 @@ class _Connection:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+            self.answer = _Answer()  # a new connection, a new parser: what was half read is forgotten
 
 
 class _Answer:
-    """httptools' callbacks: the body of one answer, whether it is all there, whether the connection stays open."""
+    """httptools' callbacks for the answers of one connection, one at a time: the body of the answer being read,
+    whether it is all there, whether the connection stays open."""
 
     def __init__(self) -> None:
-        self.parser: httptools.HttpResponseParser | None = None
+        self.parser = httptools.HttpResponseParser(self)
         self.body: list[bytes] = []
         self.complete = self.keep_alive = False
 
