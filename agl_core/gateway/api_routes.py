@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 
 from agl_core.gateway import anthropic, responses
 from agl_core.gateway.capture import CHAT
-from agl_core.gateway.streaming import EVENT_STREAM_HEADERS, CallStream, EventStreamResponse
+from agl_core.gateway.streaming import CallStream, Chunk, EventStreamResponse
 from agl_core.gateway.translate import require, upstream_error_message
 from agl_core.http_rules import RequestError, check_bearer, error_response, parse_json_object, read_body
 
@@ -161,30 +161,20 @@ class TranslatedEventStream(EventStreamResponse):
         super().__init__(stream)
         self.events, self.finished = events, finished
 
-    async def _relay(self, send) -> None:
-        stream, events = self.stream, self.events
-        await send({"type": "http.response.start", "status": 200, "headers": EVENT_STREAM_HEADERS})
-        frames: list[bytes] = []
-        try:
-            frames = events.start()
-            # Every chunk that has arrived, translated, goes out in one write; as the chat relay does, the first
-            # one alone (the role's) waits for the next, and those that came with the upstream's end go with ours.
-            first = True
-            while batch := await stream.next_batch():
-                for chunk in batch:
-                    frames += events.add(chunk.data)
-                if frames and not (first and len(batch) == 1) and not stream.ended:
-                    await send({"type": "http.response.body", "body": b"".join(frames), "more_body": True})
-                    frames = []
-                    stream.assemble()
-                first = False
-        except ValueError:
-            pass  # a chunk that is not a JSON object: closing the stream finds it and sets its error
-        finally:
-            await stream.close()
+    def _opening(self) -> list[bytes]:
+        return self.events.start()
+
+    def _frames(self, batch: list[Chunk]) -> list[bytes]:
+        return [frame for chunk in batch for frame in self.events.add(chunk.data)]
+
+    def _holds_first(self) -> bool:
+        return True  # whatever the API: its first frames wait for the first token's
+
+    def _closing(self) -> list[bytes]:
+        stream = self.stream
         error = stream.error or stream.record_error
         answer = stream.assembly.response() if stream.assembly.chunks else None
-        tail = frames + events.end(answer, error)  # frames: those not sent yet
+        frames = self.events.end(answer, error)
         if error is None and answer is not None and self.finished is not None:
             self.finished(answer)
-        await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
+        return frames

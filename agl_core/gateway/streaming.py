@@ -405,6 +405,10 @@ class EventStreamResponse:
     with the upstream's end go out with it, in one write. A client that
     disconnects cancels the relay: the stream is closed then, and its call
     recorded as incomplete.
+
+    The relay is one loop for every API: a subclass that speaks another
+    (:class:`agl_core.gateway.api_routes.TranslatedEventStream`) gives its
+    own frames for the opening, each batch and the closing.
     """
 
     def __init__(self, stream: CallStream):
@@ -436,23 +440,42 @@ class EventStreamResponse:
     async def _relay(self, send) -> None:
         stream = self.stream
         await send({"type": "http.response.start", "status": 200, "headers": EVENT_STREAM_HEADERS})
-        held: list[Chunk] = []  # chunks that go out with the next write (see the class)
-        first = True
+        frames: list[bytes] = []  # what goes out with the next write (see the class)
         try:
+            frames = self._opening()
+            first = True
             while batch := await stream.next_batch():
-                batch, held = held + batch, []
-                if stream.ended or (first and len(batch) == 1 and stream.endpoint == CHAT):
-                    held, first = batch, False
-                    continue
+                frames += self._frames(batch)
+                held = stream.ended or (first and len(batch) == 1 and self._holds_first())
                 first = False
-                await send({"type": "http.response.body", "body": sse_events(c.raw for c in batch), "more_body": True})
-                stream.assemble()
+                if frames and not held:
+                    await send({"type": "http.response.body", "body": b"".join(frames), "more_body": True})
+                    frames = []
+                    stream.assemble()
+        except ValueError:
+            pass  # a chunk that is not a JSON object (a translation reads each): closing the stream finds it
         finally:
             await stream.close()
-        error = stream.error or stream.record_error
-        tail = DONE_EVENT if error is None else sse_event(dumps({"error": {"message": error, "type": "server_error",
-                                                                           "code": 502}})) + DONE_EVENT
-        await send({"type": "http.response.body", "body": sse_events(c.raw for c in held) + tail, "more_body": False})
+        await send({"type": "http.response.body", "body": b"".join(frames + self._closing()), "more_body": False})
+
+    def _opening(self) -> list[bytes]:
+        """The frames before any chunk's."""
+        return []
+
+    def _frames(self, batch: list[Chunk]) -> list[bytes]:
+        """The frames of a batch of chunks."""
+        return [sse_events(chunk.raw for chunk in batch)]
+
+    def _holds_first(self) -> bool:
+        """Whether a first chunk that came alone waits for the next (a chat stream's role chunk: see the class)."""
+        return self.stream.endpoint == CHAT
+
+    def _closing(self) -> list[bytes]:
+        """The last frames, once the stream is closed and its call recorded."""
+        error = self.stream.error or self.stream.record_error
+        if error is None:
+            return [DONE_EVENT]
+        return [sse_event(dumps({"error": {"message": error, "type": "server_error", "code": 502}})), DONE_EVENT]
 
 
 async def one_batch(items: list[bytes]) -> Batches:
