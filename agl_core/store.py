@@ -104,7 +104,10 @@ class Store(Protocol):
         The gateway admits each model call so (one id per choice): the ids are
         ``[]`` for an attempt that is not the running one, and the state None
         for an unknown rollout. A store may raise KeyError for a rollout
-        released meanwhile.
+        released meanwhile. The gateway calls it on a thread of its own, unless
+        the store's class sets ``admits_at_once = True`` (its ``admit`` never
+        waits: no I/O, locks held only for updates in memory), when a hop to a
+        thread would cost more than the call.
         """
 
     def next_sequence_id(self, rollout_id: str) -> int:

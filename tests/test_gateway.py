@@ -390,6 +390,8 @@ def test_over_a_store_service_a_finish_right_after_the_last_answer_sees_its_span
 class ThreadAwareStore(MemoryStore):
     """A store whose own admit (as a SQLite or service store has) says which thread it ran on."""
 
+    admits_at_once = False  # an admit that may wait, as those stores' do
+
     def __init__(self):
         super().__init__()
         self.admitted_on: list[str] = []
@@ -399,7 +401,8 @@ class ThreadAwareStore(MemoryStore):
         return super().admit(rollout_id, attempt_id, n)
 
 
-def test_the_memory_store_admits_on_the_event_loop_any_other_store_off_it(endpoint, store, serve, monkeypatch):
+def test_a_store_that_admits_at_once_admits_on_the_event_loop_any_other_store_off_it(endpoint, store, serve,
+                                                                                       monkeypatch):
     admitted_on = []
     next_id = store.next_sequence_id  # called inside the memory store's admit, on the thread admit runs on
     monkeypatch.setattr(store, "next_sequence_id",
@@ -408,7 +411,7 @@ def test_the_memory_store_admits_on_the_event_loop_any_other_store_off_it(endpoi
     client(server).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
     assert admitted_on == ["agl-gateway"]  # the server's thread: no hop to a worker for a dict update
 
-    other = ThreadAwareStore()  # an admit the gateway does not know may block: a worker thread runs it
+    other = ThreadAwareStore()  # an admit that may wait: a worker thread runs it
     other.enqueue([NewRollout("r1", Task(id="t1", input={}))])
     other.dequeue("w", lease_s=60)
     _, server = serve(other, [endpoint.url])

@@ -48,6 +48,8 @@ class _Entry:
 class MemoryStore:
     """The :class:`~agl_core.store.Store` protocol on dicts, guarded by one condition variable."""
 
+    admits_at_once = True  # see Store.admit
+
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}
         self._queue: deque[str] = deque()

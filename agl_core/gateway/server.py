@@ -37,7 +37,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agl_core.builtin.memory_store import MemoryStore
 from agl_core.config import GatewayConfig
 from agl_core.data import Span
 from agl_core.gateway.api_routes import TranslatedApis
@@ -99,7 +98,7 @@ class Gateway:
     def __init__(self, store: Store, config: GatewayConfig | None = None,
                  sampling: dict[str, Any] | None = None, upstreams: list[str] = (), seed: int | None = None):
         self.store = store
-        self._admit_on_loop = type(store).admit is MemoryStore.admit  # see _admitted
+        self._admit_on_loop = getattr(store, "admits_at_once", False)  # see _admitted
         self.config = config or GatewayConfig()
         self.token = token_from(self.config.token, TOKEN_ENV)
         require_token_off_loopback("the gateway", self.config.host, self.token,
@@ -339,7 +338,8 @@ class Gateway:
         check_stream_fields(body)
 
     async def _admitted(self, rollout_id: str, attempt_id: str, n: int) -> tuple[AttemptState, list[int]]:
-        """:meth:`_admit` on the event loop for the memory store, else on a worker thread.
+        """:meth:`_admit` on the event loop for a store that ``admits_at_once`` (the memory store), else on a
+        worker thread.
 
         Another store's admission may block (a SQLite lock held by a writer, a
         store service's round trip): off the event loop. The memory store's is a
