@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -35,10 +36,15 @@ def run_agl(*args, env: dict[str, str] | None = None, timeout: float = 300) -> s
 
 
 def spawn_agl(*args, env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:
-    """Start ``agl ARGS`` in the repository root without waiting; output goes to ``log`` (or is discarded)."""
+    """Start ``agl ARGS`` in the repository root without waiting; output goes to ``log`` (or is discarded).
+
+    The child takes SIGINT as one started from a terminal does, also when the test run was started in the
+    background by a script, whose shell has its children ignore SIGINT (Python then keeps ignoring it).
+    """
     out = open(log, "w") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
     return subprocess.Popen(agl_command(*args), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, **(env or {})},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 @pytest.fixture
