@@ -24,9 +24,10 @@ protocol code, on the parser uvicorn uses:
   and closes every connection.
 
 - the ASGI lifespan protocol, for an app that speaks it;
-- an app's fast path: an app with an ``answer_now(method, path, headers,
-  body)`` method is asked first for each request read whole (when no
-  earlier request of the connection is still being answered). It returns
+- an app's fast path: an app with an ``answer_now(method, target, headers,
+  body)`` method (``target``: the request's path and query as sent, not
+  decoded) is asked first for each request read whole (when no earlier
+  request of the connection is still being answered). It returns
   ``(status, JSON body)`` to answer at once, on the parser's call, or None
   to go the ASGI way. A store call is a few tens of microseconds of work;
   the task, the scope and the ASGI messages of the ASGI way cost as much
@@ -56,11 +57,11 @@ log = logging.getLogger("agl_core.lean_server")
 
 MAX_HEADER_BYTES = 64 * 2**10
 MAX_PIPELINED = 32
+"""Requests read ahead of the one being answered; reading pauses beyond them."""
 SWEEP_S = 0.05
 """How often connections past their deadline (a request too slow to arrive, keep-alive ended) are closed. One sweep
 of every connection instead of a timer set and cancelled per request: those timers cost about 10 us per request,
 as much as the rest of the server's work on a store call answered by the fast path."""
-"""Requests read ahead of the one being answered; reading pauses beyond them."""
 
 
 class LeanServer:

@@ -374,15 +374,16 @@ class StoreService:
         self._awaited = _AwaitedSpans()
         self.app = self
 
-    def answer_now(self, verb: str, path: bytes, headers: list[tuple[bytes, bytes]],
+    def answer_now(self, verb: str, target: bytes, headers: list[tuple[bytes, bytes]],
                    raw: bytes) -> tuple[int, bytes] | None:
         """The lean server's fast path (:mod:`agl_core.lean_server`): ``(status, JSON answer)`` of a store call that
         is answered without waiting, at once on the loop; None for any other request, which then comes through the
-        ASGI app: a long poll that finds nothing yet, a ``finish`` whose last spans are on their way, another route.
+        ASGI app: a long poll that finds nothing yet, a ``finish`` whose last spans are on their way, another route,
+        a target with a query or quoted characters (the ASGI way decodes it).
         """
-        if verb != "POST" or not path.startswith(PREFIX_BYTES) or b"%" in path:
+        if verb != "POST" or not target.startswith(PREFIX_BYTES) or b"%" in target or b"?" in target:
             return None
-        method = path[len(PREFIX_BYTES):].decode("latin-1")
+        method = target[len(PREFIX_BYTES):].decode("latin-1")
         try:
             body = self._checked(method, _header(headers, b"authorization") if self.token else "", raw)
             answer = self._run_now(method, body)
