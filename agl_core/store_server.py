@@ -385,7 +385,7 @@ class StoreService:
             return None
         method = target[len(PREFIX_BYTES):].decode("latin-1")
         try:
-            body = self._checked(method, _header(headers, b"authorization") if self.token else "", raw)
+            body = self._checked(method, headers, raw)
             answer = self._run_now(method, body)
         except Exception as exc:  # noqa: BLE001 - each kind of failure has its answer
             return _refusal(method, exc)
@@ -410,7 +410,7 @@ class StoreService:
     async def _call(self, scope: dict[str, Any], receive: Any, method: str) -> tuple[int, bytes]:
         """(status, JSON answer) of a store method."""
         try:
-            body = self._checked(method, _header(scope["headers"], b"authorization"), await self._read(receive))
+            body = self._checked(method, scope["headers"], await self._read(receive))
             answer = self._run_now(method, body)
             if answer is None:
                 answer = await self._run_waiting(method, body)
@@ -418,9 +418,10 @@ class StoreService:
             return _refusal(method, exc)
         return 200, _json(answer)
 
-    def _checked(self, method: str, authorization: str, raw: bytes) -> _Body:
+    def _checked(self, method: str, headers: list[tuple[bytes, bytes]], raw: bytes) -> _Body:
         """The body of a call of ``method`` by a caller that may make it; a RequestError (401, 404, 400) if not."""
-        check_authorization(authorization, self.token)
+        if self.token is not None:
+            check_authorization(_header(headers, b"authorization"), self.token)
         if method not in METHODS:
             raise RequestError(404, f"no store method {method!r}; methods: {', '.join(METHODS)}")
         return _parse(method, METHODS[method][0], raw)

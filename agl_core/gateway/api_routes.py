@@ -164,8 +164,9 @@ class TranslatedEventStream(EventStreamResponse):
     def _opening(self) -> list[bytes]:
         return self.events.start()
 
-    def _frames(self, batch: list[Chunk]) -> list[bytes]:
-        return [frame for chunk in batch for frame in self.events.add(chunk.data)]
+    def _add_frames(self, frames: list[bytes], batch: list[Chunk]) -> None:
+        for chunk in batch:
+            frames += self.events.add(chunk.data)
 
     def _holds_first(self) -> bool:
         return True  # whatever the API: its first frames wait for the first token's

@@ -445,7 +445,7 @@ class EventStreamResponse:
             frames = self._opening()
             first = True
             while batch := await stream.next_batch():
-                frames += self._frames(batch)
+                self._add_frames(frames, batch)
                 held = stream.ended or (first and len(batch) == 1 and self._holds_first())
                 first = False
                 if frames and not held:
@@ -462,9 +462,9 @@ class EventStreamResponse:
         """The frames before any chunk's."""
         return []
 
-    def _frames(self, batch: list[Chunk]) -> list[bytes]:
-        """The frames of a batch of chunks."""
-        return [sse_events(chunk.raw for chunk in batch)]
+    def _add_frames(self, frames: list[bytes], batch: list[Chunk]) -> None:
+        """Add the frames of a batch of chunks to ``frames`` (those of the chunks before one that fails stay)."""
+        frames.append(sse_events(chunk.raw for chunk in batch))
 
     def _holds_first(self) -> bool:
         """Whether a first chunk that came alone waits for the next (a chat stream's role chunk: see the class)."""
