@@ -79,3 +79,24 @@ def test_target_modules_choose_the_adapted_layers(tmp_path):
     adapted = {name.split(".")[-4] for name, _ in made.actor.named_parameters() if "lora_A" in name}
     assert adapted == {"q_proj", "v_proj"}
     assert sum(p.requires_grad for p in made.actor.parameters()) == 2 * 2 * 2  # layers x modules x (A, B)
+
+
+def test_an_adapted_actor_trains_in_an_update_process_as_in_the_trainers_and_its_reference_stays_the_base(tmp_path):
+    """Asynchronous training on a CPU updates in a process of its own (agl_plugin_torch.update_process): the adapted
+    actor is sent there whole, and the adapter's updates there are those made here, in the trainer's own tensors."""
+    settings = LoraSettings(rank=4, alpha=8)
+    here, there = adapted_backend(tmp_path / "a", settings), adapted_backend(tmp_path / "b", settings)
+    there.actor.load_state_dict(here.actor.state_dict())  # the same adapter (its A is drawn at random)
+    batch = sampled_rows(here)
+    batch["advantages"] = torch.linspace(-1, 1, len(batch)).unsqueeze(1).expand_as(batch["responses"]).clone()
+    expected = reference_logprobs(here, batch)
+    there.train_in_a_process()
+    try:
+        for _ in range(2):
+            assert (here.run("update_actor", batch, algorithm(), vanilla_policy_loss)
+                    == there.run("update_actor", batch, algorithm(), vanilla_policy_loss))
+        for (name, mine), theirs in zip(here.actor.named_parameters(), there.actor.parameters()):
+            assert torch.equal(mine, theirs), name
+        torch.testing.assert_close(reference_logprobs(there, batch), expected, rtol=0, atol=1e-5)
+    finally:
+        there.stop_serving()

@@ -21,6 +21,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from agl_core.config import AlgorithmConfig
 from agl_core.data import Batch
 from agl_core.http_server import ServerThread
 
@@ -29,7 +30,9 @@ from agl_plugin_torch.engine import Engine
 from agl_plugin_torch.forward import response_logprobs, response_values
 from agl_plugin_torch.server import PolicyServer
 from agl_plugin_torch.settings import TorchConfig
-from agl_plugin_torch.training import make_optimizer
+from agl_plugin_torch.update_process import UpdateProcess
+from agl_plugin_torch import training
+from agl_plugin_torch.training import PolicyLoss, make_optimizer
 
 NAME = "torch"
 STATE_FILE = "torch_state.pt"
@@ -48,7 +51,9 @@ class Backend:
     In asynchronous training (:meth:`serve_a_copy`) the engine generates with
     ``serving``, a copy of the actor under its own ``serving_lock``, while the
     trainer updates the actor; :meth:`sync_weights` copies the actor's weights
-    into it between generation batches.
+    into it between generation batches. With an ``update_process``
+    (:meth:`train_in_a_process`) the training methods, called through
+    :meth:`run`, run there on the same weights in shared memory.
     """
 
     config: TorchConfig
@@ -70,6 +75,18 @@ class Backend:
     serving: PreTrainedModel | None = None
     serving_lock: threading.Lock | None = None
     serving_version: int = 0
+    update_process: UpdateProcess | None = None
+
+    @classmethod
+    def for_training(cls, config: TorchConfig, source: Path, actor: PreTrainedModel,
+                     tokenizer: PreTrainedTokenizerBase, generator: torch.Generator,
+                     critic: modeling.ValueModel | None = None) -> Backend:
+        """A backend over these models, with fresh optimizers for the actor's trained weights and the critic's."""
+        backend = cls(config, source, actor, tokenizer, *make_optimizer(trainable(actor), config.actor), generator)
+        if critic is not None:
+            backend.critic = critic
+            backend.critic_optim, backend.critic_sched = make_optimizer(critic.parameters(), config.critic)
+        return backend
 
     # ------------------------------------------------------------ serving
 
@@ -145,6 +162,61 @@ class Backend:
             if self.engine is not None:
                 self.engine.stop()
             self.server = self.engine = None
+            if self.update_process is not None:
+                self.update_process.stop()
+                self.update_process = None
+
+    # ------------------------------------------------------------ training
+
+    def train_in_a_process(self) -> None:
+        """Run the training methods in a process of their own from now on (:mod:`agl_plugin_torch.update_process`).
+
+        The actor's and critic's weights move to shared memory, so both
+        processes see every update; the optimizers' states (a resumed run's
+        included) move to the process, whose optimizers are the ones that
+        step from now on.
+        """
+        self.actor.share_memory()
+        if self.critic is not None:
+            self.critic.share_memory()
+        parts = {"config": self.config, "source": self.source, "actor": self.actor, "tokenizer": self.tokenizer,
+                 "critic": self.critic}
+        self.update_process = UpdateProcess(parts, self.optimizer_states())
+
+    def run(self, method: str, *args: Any) -> Any:
+        """Call the training method ``method`` here, or in the update process when there is one."""
+        if self.update_process is None:
+            return getattr(self, method)(*args)
+        return self.update_process.call(method, *args)
+
+    def old_logprobs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The actor's log-probs and entropy of every row's response."""
+        with self.lock:
+            return self.logprobs(self.actor, batch, with_entropy=True)
+
+    def ref_logprobs(self, batch: Batch) -> torch.Tensor:
+        """The reference policy's log-probs of every row's response."""
+        return self.logprobs(self.reference(), batch, with_entropy=False)[0]
+
+    def update_actor(self, batch: Batch, algorithm: AlgorithmConfig, policy_loss: PolicyLoss) -> dict[str, float]:
+        """PPO updates of the actor on ``batch`` (:func:`agl_plugin_torch.training.update_actor`); their metrics."""
+        with self.lock:
+            return training.update_actor(self.actor, self.actor_optim, self.actor_sched, batch, algorithm,
+                                         policy_loss, self.config.actor)
+
+    def update_critic(self, batch: Batch, algorithm: AlgorithmConfig) -> dict[str, float]:
+        """Value-loss updates of the critic on ``batch`` (:func:`agl_plugin_torch.training.update_critic`)."""
+        return training.update_critic(self.critic, self.critic_optim, self.critic_sched, batch, algorithm,
+                                      self.config.critic)
+
+    def optimizer_states(self) -> dict[str, Any]:
+        """The optimizers' and schedules' states, by field name (the critic's when there is one)."""
+        names = ("actor_optim", "actor_sched") + (("critic_optim", "critic_sched") if self.critic is not None else ())
+        return {name: getattr(self, name).state_dict() for name in names}
+
+    def load_optimizer_states(self, states: dict[str, Any]) -> None:
+        for name, state in states.items():
+            getattr(self, name).load_state_dict(state)
 
     # ------------------------------------------------------------ models
 
@@ -187,13 +259,12 @@ class Backend:
         """
         self.actor.save_pretrained(path / ACTOR_DIR)
         self.tokenizer.save_pretrained(path / ACTOR_DIR)
-        state = {"actor_optim": self.actor_optim.state_dict(), "actor_sched": self.actor_sched.state_dict(),
-                 "generator": self.generator.get_state(), "weight_version": self.weight_version}
+        state = {**self.run("optimizer_states"), "generator": self.generator.get_state(),
+                 "weight_version": self.weight_version}
         if any(not p.requires_grad for p in self.actor.parameters()):
             state["actor_trained"] = {n: p.detach() for n, p in self.actor.named_parameters() if p.requires_grad}
         if self.critic is not None:
-            state.update(critic=self.critic.state_dict(), critic_optim=self.critic_optim.state_dict(),
-                         critic_sched=self.critic_sched.state_dict())
+            state["critic"] = self.critic.state_dict()
         torch.save(state, path / STATE_FILE)
 
     def load(self, path: Path) -> None:
@@ -209,15 +280,14 @@ class Backend:
                                    f"({len(missing)} weights missing, e.g. {missing[:2]}; {len(unexpected)} "
                                    f"unexpected, e.g. {unexpected[:2]}): was it saved with other actor transforms "
                                    f"(e.g. a LoRA adapter) than this run applies?")
-        self.actor_optim.load_state_dict(state["actor_optim"])
-        self.actor_sched.load_state_dict(state["actor_sched"])
+        optimizers = ("actor_optim", "actor_sched")
         self.generator.set_state(state["generator"])
         if self.critic is not None:
             if "critic" not in state:
                 raise RuntimeError(f"the checkpoint {path} has no critic, but this run's estimator needs one")
-            self.critic.load_state_dict(state["critic"])
-            self.critic_optim.load_state_dict(state["critic_optim"])
-            self.critic_sched.load_state_dict(state["critic_sched"])
+            self.critic.load_state_dict(state["critic"])  # in place: an update process shares these tensors
+            optimizers += ("critic_optim", "critic_sched")
+        self.run("load_optimizer_states", {name: state[name] for name in optimizers})
         self.set_weight_version(state["weight_version"])
 
     def _load_trained(self, path: Path, trained: dict[str, torch.Tensor]) -> None:
@@ -260,14 +330,8 @@ def create(config: TorchConfig, run_dir: Path, seed: int, with_critic: bool,
     critic = modeling.ValueModel(actor) if with_critic else None
     for transform in transforms:
         actor = transform(actor)
-    actor_optim, actor_sched = make_optimizer(trainable(actor), config.actor)
-    device = _device(actor)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    backend = Backend(config, source, actor, tokenizer, actor_optim, actor_sched, generator)
-    if critic is not None:
-        backend.critic = critic
-        backend.critic_optim, backend.critic_sched = make_optimizer(backend.critic.parameters(), config.critic)
-    return backend
+    generator = torch.Generator(device=_device(actor)).manual_seed(seed)
+    return Backend.for_training(config, source, actor, tokenizer, generator, critic)
 
 
 def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -22,15 +22,14 @@ from agl_plugin_torch.settings import TorchConfig
 
 if TYPE_CHECKING:
     from agl_plugin_torch import backend as torch_backend
-    from agl_plugin_torch import training
     from agl_plugin_torch.backend import ActorTransform, Backend
 else:  # torch and transformers: imported when a hook first runs, so importing the plugin (`agl plugins`) stays cheap
     torch_backend = LazyModule("agl_plugin_torch.backend", globals(), "torch_backend")
-    training = LazyModule("agl_plugin_torch.training", globals())
 
 log = logging.getLogger("agl_plugin_torch")
 
-ROW_INPUTS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask"]
+FORWARD_INPUTS = ["input_ids", "attention_mask", "position_ids", "responses"]
+ROW_INPUTS = FORWARD_INPUTS + ["response_mask"]
 
 
 TRANSFORM_KIND = "actor_transform"
@@ -88,6 +87,8 @@ class TorchBackend:
             # Asynchronous training: the engine serves a copy while the actor trains; the loop syncs it.
             backend.serve_a_copy()
             ctx.state[WEIGHT_SYNC] = backend.sync_weights
+            if backend.config.update_process and backend.actor.device.type == "cpu":
+                backend.train_in_a_process()
         backend.start_serving(ctx.config.rollout.model)
         n_params = sum(p.numel() for p in backend.actor.parameters())
         log.info("policy %s (%.2fM parameters, %s) served at %s", backend.source, n_params / 1e6,
@@ -111,8 +112,7 @@ class TorchBackend:
     @hookimpl
     def compute_old_logprob(self, ctx, batch):
         backend = backend_of(ctx)
-        with backend.lock:
-            log_probs, entropy = backend.logprobs(backend.actor, batch, with_entropy=True)
+        log_probs, entropy = backend.run("old_logprobs", columns(backend, batch, FORWARD_INPUTS))
         batch["old_log_probs"], batch["entropys"] = log_probs, entropy
         if backend.engine is not None:
             # The model's own share of the rollouts (timing_s/gen also holds agents, HTTP, gateway, store).
@@ -125,13 +125,13 @@ class TorchBackend:
     @hookimpl
     def compute_ref_logprob(self, ctx, batch):
         backend = backend_of(ctx)
-        batch["ref_log_prob"] = backend.logprobs(backend.reference(), batch, with_entropy=False)[0]
+        batch["ref_log_prob"] = backend.run("ref_logprobs", columns(backend, batch, FORWARD_INPUTS))
         return batch
 
     @hookimpl
     def compute_values(self, ctx, batch):
         backend = backend_of(ctx)
-        batch["values"] = backend.values(batch)
+        batch["values"] = backend.run("values", columns(backend, batch, FORWARD_INPUTS))
         return batch
 
     @hookimpl
@@ -141,19 +141,15 @@ class TorchBackend:
         keys = ROW_INPUTS + ["old_log_probs", "advantages"] + (["ref_log_prob"] if algorithm.policy_loss.use_kl_loss
                                                                 else [])
         keys += ["rollout_is_weights"] if "rollout_is_weights" in batch else []
-        rows = torch_backend.on_device(batch, keys, backend.actor.device)
-        with backend.lock:
-            metrics = training.update_actor(backend.actor, backend.actor_optim, backend.actor_sched, rows,
-                                            algorithm, policy_loss, backend.config.actor)
+        metrics = backend.run("update_actor", columns(backend, batch, keys), algorithm, policy_loss)
         backend.set_weight_version(ctx.step)  # the endpoint now serves this step's weights
         return metrics
 
     @hookimpl
     def update_critic(self, ctx, batch):
         backend = backend_of(ctx)
-        rows = torch_backend.on_device(batch, ROW_INPUTS + ["values", "returns"], backend.actor.device)
-        return training.update_critic(backend.critic, backend.critic_optim, backend.critic_sched, rows,
-                                      ctx.config.algorithm, backend.config.critic)
+        return backend.run("update_critic", columns(backend, batch, ROW_INPUTS + ["values", "returns"]),
+                           ctx.config.algorithm)
 
     @hookimpl
     def save_checkpoint(self, ctx, path):
@@ -170,6 +166,11 @@ class TorchBackend:
         """A fully fine-tuned actor is a plain Hugging Face model: its directory is copied (merged or not)."""
         exported = torch_backend.export_actor(Path(path), Path(out))
         return None if exported is None else str(exported)
+
+
+def columns(backend: Backend, batch, keys: list[str]):
+    """The ``keys`` columns of ``batch`` on the actor's device: what a training method needs, and all it is sent."""
+    return torch_backend.on_device(batch, keys, backend.actor.device)
 
 
 def rollout_logprob_diff(log_probs, rollout_log_probs, response_mask) -> dict[str, float]:

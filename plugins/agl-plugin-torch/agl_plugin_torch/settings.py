@@ -106,3 +106,7 @@ class TorchConfig(_Section):
     forward_micro_batch_size: int = Field(64, ge=1, description="rows per forward pass of log-prob/value "
                                                                 "computation")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (None: torch's default)")
+    update_process: bool = Field(True, description="in asynchronous training on a CPU, compute log-probs and "
+                                 "update in a process of their own (over the same weights in shared memory), so "
+                                 "the update does not take turns with the rollout plane on the trainer's "
+                                 "interpreter lock")

@@ -166,9 +166,15 @@ def test_an_async_run_killed_after_a_checkpoint_resumes_its_carried_over_batch(t
     deadline = time.monotonic() + 240
     while not checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
+    children = children_of(proc.pid)  # the update process among them (training runs there on a CPU)
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
     assert checkpoint.exists(), (tmp_path / "killed.log").read_text()[-3000:]
+    assert any(b"spawn_main" in (Path("/proc") / str(pid) / "cmdline").read_bytes() for pid in children)
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in children)  # orphaned, they ended on their own
     carried = torch.load(checkpoint / "core_state.pt", weights_only=False)["async"]["batches"]
     assert [batch["step"] for batch in carried] == [3]
 
@@ -188,6 +194,27 @@ def test_an_async_run_killed_after_a_checkpoint_resumes_its_carried_over_batch(t
     requeued = logged(tmp_path / "run")[3].get("async/n_groups_requeued", 0)
     kept = {r.rollout_id for r in steps[3]} & carried_ids
     assert len(kept) == (len(carried[0]["groups"]) - requeued) * N
+
+
+def children_of(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid`` (read from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not ended (a zombie has ended)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_the_tis_correction_weights_the_update_and_reports_its_weights(tmp_path):
