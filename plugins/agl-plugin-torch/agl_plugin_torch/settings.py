@@ -109,4 +109,5 @@ class TorchConfig(_Section):
     update_process: bool = Field(True, description="in asynchronous training on a CPU, compute log-probs and "
                                  "update in a process of their own (over the same weights in shared memory), so "
                                  "the update does not take turns with the rollout plane on the trainer's "
-                                 "interpreter lock")
+                                 "interpreter lock; the process is spawned, so a script that trains must guard "
+                                 "its entry point with `if __name__ == '__main__'`)")

@@ -8,7 +8,8 @@ log-prob passes and the updates run in a spawned process, on the very same
 weights: the actor's and the critic's tensors are moved to shared memory
 before the process starts, so the optimizer's in-place steps are what the
 trainer's process reads when it syncs the serving copy or saves a checkpoint.
-Only batches, metrics and optimizer states cross the pipe.
+Only a step's columns and settings, its metrics and (for a checkpoint) the
+optimizers' states cross the pipe.
 
 The process holds a :class:`~agl_plugin_torch.backend.Backend` of its own
 (no engine, no server) over the shared models, with its own optimizers; the
@@ -17,8 +18,10 @@ trainer's process calls its training methods by name (:meth:`UpdateProcess.call`
 
 from __future__ import annotations
 
+import pickle
 import traceback
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
@@ -52,7 +55,13 @@ class UpdateProcess:
     def call(self, method: str, *args: Any) -> Any:
         """``method(*args)`` of the process's backend; its error (with the process's traceback) is raised here."""
         try:
-            self._conn.send((method, args))
+            message = ForkingPickler.dumps((method, args))  # what Connection.send does, to name what fails
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            raise UpdateProcessError(f"cannot send {method!r} to the torch update process: {exc} (a policy loss "
+                                     f"must be a module-level function; or set plugins.torch.update_process: "
+                                     f"false)") from exc
+        try:
+            self._conn.send_bytes(message)
         except OSError as exc:
             raise self._died(method) from exc
         return self._reply(method)
@@ -86,7 +95,7 @@ class UpdateProcess:
 
 def serve(conn: Connection, parts: dict[str, Any], optimizer_states: dict[str, Any]) -> None:
     """The process: build the backend over the shared models, then answer calls until told to stop or orphaned."""
-    from agl_plugin_torch.backend import Backend
+    from agl_plugin_torch.backend import Backend  # here: the backend module imports this one
 
     try:
         config: TorchConfig = parts["config"]

@@ -93,6 +93,16 @@ def test_an_error_in_the_process_is_raised_in_the_caller_and_the_process_serves_
     assert there.run("old_logprobs", batch)[0].shape == batch["responses"].shape
 
 
+def test_a_policy_loss_that_cannot_be_sent_is_named(pair):
+    _, there = pair
+
+    def local_loss(*args, **kwargs):  # a local function pickles by name, which the process cannot import
+        return vanilla_policy_loss(*args, **kwargs)
+
+    with pytest.raises(UpdateProcessError, match=r"cannot send 'update_actor'.*local_loss.*module-level function"):
+        there.run("update_actor", rows_to_train(there), algorithm(), local_loss)
+
+
 def test_a_process_that_died_is_named(pair):
     _, there = pair
     os.kill(there.update_process._process.pid, signal.SIGKILL)
