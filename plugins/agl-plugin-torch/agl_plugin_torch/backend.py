@@ -25,14 +25,13 @@ from agl_core.config import AlgorithmConfig
 from agl_core.data import Batch
 from agl_core.http_server import ServerThread
 
-from agl_plugin_torch import modeling
+from agl_plugin_torch import modeling, training
 from agl_plugin_torch.engine import Engine
 from agl_plugin_torch.forward import response_logprobs, response_values
 from agl_plugin_torch.server import PolicyServer
 from agl_plugin_torch.settings import TorchConfig
-from agl_plugin_torch.update_process import UpdateProcess
-from agl_plugin_torch import training
 from agl_plugin_torch.training import PolicyLoss, make_optimizer
+from agl_plugin_torch.update_process import UpdateProcess
 
 NAME = "torch"
 STATE_FILE = "torch_state.pt"

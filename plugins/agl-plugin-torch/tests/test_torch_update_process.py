@@ -4,8 +4,8 @@ Covered: log-probs, actor and critic updates made in the process equal those
 made in the trainer's process from the same start, bit for bit, and land in
 the trainer's own tensors; a checkpoint saved with the process holds its
 optimizers' states and resumes into another; an error in the process is
-raised in the caller with the process's traceback, and a process that died
-is named.
+raised in the caller with the process's traceback; a policy loss that cannot
+be sent, and a process that died, are named.
 """
 
 from __future__ import annotations
