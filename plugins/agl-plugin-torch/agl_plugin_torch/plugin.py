@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agl_core import HOOK_API_VERSION, hookimpl
-from agl_core.async_rollouts import WEIGHT_SYNC
+from agl_core.async_rollouts import SYNCS_BETWEEN_CALLS, WEIGHT_SYNC
 from agl_core.http_rules import POLICY_TOKEN_ENV, policy_token
 from agl_core.lazy_import import LazyModule
 from agl_core.plugins import PluginError
@@ -87,6 +87,7 @@ class TorchBackend:
             # Asynchronous training: the engine serves a copy while the actor trains; the loop syncs it.
             backend.serve_a_copy()
             ctx.state[WEIGHT_SYNC] = backend.sync_weights
+            ctx.state[SYNCS_BETWEEN_CALLS] = True  # under the engine's lock, which a generation batch holds
             if backend.config.update_process and backend.actor.device.type == "cpu":
                 backend.train_in_a_process()
         backend.start_serving(ctx.config.rollout.model)
