@@ -111,3 +111,7 @@ class TorchConfig(_Section):
                                  "the update does not take turns with the rollout plane on the trainer's "
                                  "interpreter lock; the process is spawned, so a script that trains must guard "
                                  "its entry point with `if __name__ == '__main__'`)")
+    update_process_nice: int = Field(10, ge=0, le=19, description="how much lower the update process's "
+                                     "scheduling priority is (POSIX nice): the rollout plane, whose waits lengthen "
+                                     "every step, gets the cores first, and the update, hidden behind generation, "
+                                     "takes the idle ones; 0 keeps the trainer's priority")

@@ -14,10 +14,17 @@ optimizers' states cross the pipe.
 The process holds a :class:`~agl_plugin_torch.backend.Backend` of its own
 (no engine, no server) over the shared models, with its own optimizers; the
 trainer's process calls its training methods by name (:meth:`UpdateProcess.call`).
+
+It runs at a lower scheduling priority (``update_process_nice``): the update
+is hidden behind generation as long as it ends before the next batch is
+played, while every moment the rollout plane waits for a core lengthens the
+step. The plane leaves cores idle between its calls, and the update takes
+those.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import traceback
 from multiprocessing.connection import Connection
@@ -51,6 +58,11 @@ class UpdateProcess:
         except BaseException:
             self.stop()
             raise
+
+    @property
+    def pid(self) -> int:
+        """The process's id."""
+        return self._process.pid
 
     def call(self, method: str, *args: Any) -> Any:
         """``method(*args)`` of the process's backend; its error (with the process's traceback) is raised here."""
@@ -99,6 +111,8 @@ def serve(conn: Connection, parts: dict[str, Any], optimizer_states: dict[str, A
 
     try:
         config: TorchConfig = parts["config"]
+        if config.update_process_nice and hasattr(os, "nice"):
+            os.nice(config.update_process_nice)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         backend = Backend.for_training(**parts, generator=torch.Generator())

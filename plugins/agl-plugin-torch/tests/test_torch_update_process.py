@@ -5,7 +5,8 @@ made in the trainer's process from the same start, bit for bit, and land in
 the trainer's own tensors; a checkpoint saved with the process holds its
 optimizers' states and resumes into another; an error in the process is
 raised in the caller with the process's traceback; a policy loss that cannot
-be sent, and a process that died, are named.
+be sent, and a process that died, are named; the process runs at a lower
+scheduling priority.
 """
 
 from __future__ import annotations
@@ -105,7 +106,14 @@ def test_a_policy_loss_that_cannot_be_sent_is_named(pair):
 
 def test_a_process_that_died_is_named(pair):
     _, there = pair
-    os.kill(there.update_process._process.pid, signal.SIGKILL)
-    there.update_process._process.join(10)
+    os.kill(there.update_process.pid, signal.SIGKILL)  # it runs no more code: the call finds it dead
     with pytest.raises(UpdateProcessError, match=r"died during 'old_logprobs' \(exit code -9\)"):
         there.run("old_logprobs", rows_to_train(there))
+
+
+def test_the_process_runs_at_the_configured_lower_priority(pair):
+    """The rollout plane gets the cores first (``update_process_nice``, 10 by default)."""
+    here, there = pair
+    assert there.config.update_process_nice == 10
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, there.update_process.pid) == min(19, mine + 10)
