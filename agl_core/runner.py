@@ -231,19 +231,19 @@ class LocalRunner:
     # ------------------------------------------------------------ one step
 
     def run(self, tasks: list[Task], samples: int = 1, metadata: dict[str, Any] | None = None,
-            progress: bool = False, id_prefix: str = "rollout") -> RunResult:
+            progress: bool = False, id_prefix: str = "rollout", ahead: bool = False) -> RunResult:
         """:func:`collect` of the tasks on this runner's store, with its agent's name and ``max_attempts``.
 
         Never waits past every attempt's timeout: a rollout that cannot end
         by itself is ended by the supervisor.
         """
         return collect(self.store, tasks, samples, metadata={"agent_name": self.agent_name, **(metadata or {})},
-                       id_prefix=id_prefix, max_attempts=self.max_attempts, progress=progress)
+                       id_prefix=id_prefix, max_attempts=self.max_attempts, progress=progress, ahead=ahead)
 
 
 def collect(store: Store, tasks: list[Task], samples: int = 1, *, metadata: dict[str, Any] | None = None,
             id_prefix: str = "rollout", max_attempts: int = 2, progress: bool = False,
-            poll_s: float = 1.0) -> RunResult:
+            poll_s: float = 1.0, ahead: bool = False) -> RunResult:
     """Queue ``samples`` rollouts of each task in ``store``; return them all once each has ended (in any status).
 
     Whoever leases from ``store`` runs them: this process's workers or
@@ -251,9 +251,11 @@ def collect(store: Store, tasks: list[Task], samples: int = 1, *, metadata: dict
     and the sample index are added). Every ``poll_s`` the store requeues the
     attempts whose lease ran out, so the rollouts of a lost runner go to
     another (or fail, when out of attempts) even if no runner is asking for
-    work. The rollouts are released from the store once read.
+    work. The rollouts are released from the store once read. ``ahead``
+    queues them ahead of those already queued (:class:`~agl_core.store.NewRollout`).
     """
-    ids = enqueue_samples(store, tasks, samples, metadata=metadata, id_prefix=id_prefix, max_attempts=max_attempts)
+    ids = enqueue_samples(store, tasks, samples, metadata=metadata, id_prefix=id_prefix, max_attempts=max_attempts,
+                          ahead=ahead)
     bar = tqdm(total=len(ids), desc="rollouts", disable=not progress, leave=False, dynamic_ncols=True)
     try:
         wait_all(store, ids, poll_s, on_progress=lambda done: bar.update(done - bar.n))
@@ -265,13 +267,13 @@ def collect(store: Store, tasks: list[Task], samples: int = 1, *, metadata: dict
 
 
 def enqueue_samples(store: Store, tasks: list[Task], samples: int, *, metadata: dict[str, Any] | None = None,
-                    id_prefix: str = "rollout", max_attempts: int = 2) -> list[str]:
+                    id_prefix: str = "rollout", max_attempts: int = 2, ahead: bool = False) -> list[str]:
     """Queue ``samples`` rollouts of each task (task after task); return their ids in that order.
 
     Each rollout's metadata is ``metadata`` with its task id and sample index.
     """
     new = [NewRollout(f"{id_prefix}-{uuid.uuid4().hex[:12]}", task, sample, max_attempts,
-                      {**(metadata or {}), "task_id": task.id, "sample_index": sample})
+                      {**(metadata or {}), "task_id": task.id, "sample_index": sample}, ahead)
            for task in tasks for sample in range(samples)]
     store.enqueue(new)
     return [r.rollout_id for r in new]

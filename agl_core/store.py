@@ -39,13 +39,18 @@ TERMINAL = frozenset({SUCCEEDED, FAILED, TIMED_OUT})
 
 @dataclass(frozen=True)
 class NewRollout:
-    """A rollout to enqueue: which task, which sample of it, how many attempts it may use."""
+    """A rollout to enqueue: which task, which sample of it, how many attempts it may use.
+
+    ``ahead``: queued ahead of every rollout already queued (validation games,
+    so that they wait for no training game queued for later steps).
+    """
 
     rollout_id: str
     task: Task
     sample_index: int = 0
     max_attempts: int = 1
     metadata: dict[str, Any] = field(default_factory=dict)
+    ahead: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,8 @@ class Store(Protocol):
     """Queue, attempts, leases and spans of rollouts. See the module docstring for the lifecycle."""
 
     def enqueue(self, rollouts: Sequence[NewRollout]) -> None:
-        """Queue new rollouts (status ``queuing``), in order. A rollout id already known is an error."""
+        """Queue new rollouts (status ``queuing``), in order: behind those queued before, or ahead of all of them
+        when their ``ahead`` is set. A rollout id already known is an error."""
 
     def dequeue(self, worker_id: str, lease_s: float, wait_s: float = 0.0) -> Attempt | None:
         """Start an attempt at the oldest queued rollout, waiting up to ``wait_s`` for one; None if none came.

@@ -198,7 +198,7 @@ class HttpStore:
     def enqueue(self, rollouts: Sequence[NewRollout]) -> None:
         body = {"rollouts": [{"rollout_id": r.rollout_id, "task": r.task.model_dump(mode="json"),
                               "sample_index": r.sample_index, "max_attempts": r.max_attempts,
-                              "metadata": r.metadata} for r in rollouts]}
+                              "metadata": r.metadata, "ahead": r.ahead} for r in rollouts]}
         status, raw, retried = self._exchange("enqueue", body)
         if status >= 300 and not (retried and status == 400 and self._holds(rollouts)):
             raise self._error("enqueue", status, raw)

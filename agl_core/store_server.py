@@ -13,7 +13,7 @@ method's arguments, answered 200 with a JSON object:
 method                request                                       answer
 ====================  ============================================  ==============================
 ``enqueue``           ``rollouts: [{rollout_id, task, sample_index,  ``{}``
-                      max_attempts, metadata}]``
+                      max_attempts, metadata, ahead}]``
 ``dequeue``           ``worker_id, lease_s, wait_s``                ``attempt: {rollout_id,
                                                                     attempt_id, task, sample_index,
                                                                     metadata} | null``
@@ -125,6 +125,7 @@ class _NewRollout(_Body):
     sample_index: int = Field(0, ge=0)
     max_attempts: int = Field(1, ge=1)
     metadata: dict[str, Any] = Field(default_factory=dict)
+    ahead: bool = False
 
 
 class _Enqueue(_Body):
@@ -197,7 +198,7 @@ class _Query(_Body):
 
 
 def _enqueue(store: Store, body: _Enqueue) -> dict[str, Any]:
-    store.enqueue([NewRollout(r.rollout_id, r.task, r.sample_index, r.max_attempts, r.metadata)
+    store.enqueue([NewRollout(r.rollout_id, r.task, r.sample_index, r.max_attempts, r.metadata, r.ahead)
                    for r in body.rollouts])
     return {}
 

@@ -127,10 +127,12 @@ def weight_version(ctx, mode: str) -> int:
 
 def collect_options(ctx, mode: str) -> dict:
     """The step's arguments of :func:`agl_core.runner.collect`: ``rollout.n`` samples per task in training
-    (1 in validation), the metadata call seeds derive from, rollout ids naming the step."""
+    (1 in validation), the metadata call seeds derive from, rollout ids naming the step. Validation games are
+    queued ahead: in asynchronous training the next step's games are already queued, and the trainer waits for
+    the validation."""
     return {"samples": ctx.config.rollout.n if mode == "train" else 1,
             "metadata": {"mode": mode, "step": ctx.step, "run_id": ctx.run_id},
-            "id_prefix": f"{mode}-{ctx.step}", "progress": ctx.config.trainer.progress}
+            "id_prefix": f"{mode}-{ctx.step}", "progress": ctx.config.trainer.progress, "ahead": mode == "val"}
 
 
 def gateway_sampling(ctx) -> dict:

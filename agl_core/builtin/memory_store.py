@@ -65,7 +65,10 @@ class MemoryStore:
             for new in rollouts:
                 self._entries[new.rollout_id] = _Entry(new.task, new.sample_index, new.max_attempts,
                                                        dict(new.metadata))
-                self._queue.append(new.rollout_id)
+            behind = [new.rollout_id for new in rollouts if not new.ahead]
+            ahead = [new.rollout_id for new in rollouts if new.ahead]
+            self._queue.extend(behind)
+            self._queue.extendleft(reversed(ahead))
             self._changed.notify_all()
 
     def dequeue(self, worker_id: str, lease_s: float, wait_s: float = 0.0) -> Attempt | None:

@@ -481,6 +481,15 @@ def check_store_admit(store: Store) -> None:
     assert store.admit("nope", "1", 1) == (None, []), "admit of an unknown rollout must give (None, [])"
 
 
+def check_store_queues_ahead(store: Store) -> None:
+    """Rollouts enqueued ``ahead`` are dequeued before those queued earlier, in their own order."""
+    store.enqueue([_new("a"), _new("b")])
+    store.enqueue([NewRollout("v1", Task(id="val-1", input={}), ahead=True), _new("c"),
+                   NewRollout("v2", Task(id="val-2", input={}), ahead=True)])
+    order = [store.dequeue(f"w{i}", lease_s=30).rollout_id for i in range(5)]
+    assert order == ["v1", "v2", "a", "b", "c"], f"rollouts queued ahead must be dequeued first, in order: {order}"
+
+
 def check_store_refuses_duplicates(store: Store) -> None:
     """A rollout id already in the store is refused with ValueError."""
     store.enqueue([_new("a")])
@@ -569,8 +578,9 @@ def check_store_spans_written_again(store: Store) -> None:
 
 
 STORE_CHECKS: tuple[Callable[[Store], None], ...] = (
-    check_store_lifecycle, check_store_refuses_duplicates, check_store_lease_expiry, check_store_heartbeat,
-    check_store_wait_cancel_release, check_store_many_workers, check_store_spans_written_again, check_store_admit,
+    check_store_lifecycle, check_store_refuses_duplicates, check_store_queues_ahead, check_store_lease_expiry,
+    check_store_heartbeat, check_store_wait_cancel_release, check_store_many_workers,
+    check_store_spans_written_again, check_store_admit,
 )
 
 
@@ -754,6 +764,9 @@ class StoreContract(_ContractBase):
 
     def test_duplicates_refused(self, store):
         check_store_refuses_duplicates(store)
+
+    def test_queued_ahead(self, store):
+        check_store_queues_ahead(store)
 
     def test_lost_lease_requeued_then_failed(self, store):
         check_store_lease_expiry(store)

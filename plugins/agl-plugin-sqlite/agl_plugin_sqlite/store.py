@@ -193,11 +193,14 @@ class SqliteStore:
 
     def enqueue(self, rollouts: Sequence[NewRollout]) -> None:
         now = time.time()
-        rows = [(r.rollout_id, r.task.model_dump_json(), r.sample_index, json.dumps(r.metadata), QUEUING,
-                 now + i * 1e-6, r.max_attempts) for i, r in enumerate(rollouts)]
         reserve = self.reserve_sequence_ids
         try:
             with self._transaction() as conn:
+                front = now  # rollouts are dequeued by priority: the time they were queued, unless ahead
+                if any(r.ahead for r in rollouts):  # below the lowest held, as requeue_expired does
+                    front = (conn.execute("SELECT MIN(priority) FROM rollouts").fetchone()[0] or now) - len(rollouts)
+                rows = [(r.rollout_id, r.task.model_dump_json(), r.sample_index, json.dumps(r.metadata), QUEUING,
+                         (front if r.ahead else now) + i * 1e-6, r.max_attempts) for i, r in enumerate(rollouts)]
                 conn.executemany("INSERT INTO rollouts (rollout_id, task, sample_index, metadata, status, "
                                  "priority, max_attempts) VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
                 if reserve:  # the first block of ids, in this commit rather than one of its own at the first id
