@@ -196,9 +196,8 @@ class SqliteStore:
         reserve = self.reserve_sequence_ids
         try:
             with self._transaction() as conn:
-                front = now  # rollouts are dequeued by priority: the time they were queued, unless ahead
-                if any(r.ahead for r in rollouts):  # below the lowest held, as requeue_expired does
-                    front = (conn.execute("SELECT MIN(priority) FROM rollouts").fetchone()[0] or now) - len(rollouts)
+                # Rollouts are dequeued by priority: the time they were queued, unless queued ahead.
+                front = _front(conn, len(rollouts), now) if any(r.ahead for r in rollouts) else now
                 rows = [(r.rollout_id, r.task.model_dump_json(), r.sample_index, json.dumps(r.metadata), QUEUING,
                          (front if r.ahead else now) + i * 1e-6, r.max_attempts) for i, r in enumerate(rollouts)]
                 conn.executemany("INSERT INTO rollouts (rollout_id, task, sample_index, metadata, status, "
@@ -290,12 +289,12 @@ class SqliteStore:
         with self._transaction() as conn:
             expired = conn.execute("SELECT rollout_id, attempts, max_attempts, worker_id FROM rollouts "
                                    "WHERE status = ? AND lease_expires < ?", (RUNNING, now)).fetchall()
-            lowest = conn.execute("SELECT MIN(priority) FROM rollouts").fetchone()[0] or now
+            front = _front(conn, len(expired), now)
             for i, (rollout_id, attempts, max_attempts, worker_id) in enumerate(expired):
                 error = lease_expired_error(str(attempts), worker_id)
                 if attempts < max_attempts:  # back to the front of the queue, in their order
                     conn.execute("UPDATE rollouts SET status = ?, error = ?, priority = ? WHERE rollout_id = ?",
-                                 (QUEUING, error, lowest - len(expired) + i, rollout_id))
+                                 (QUEUING, error, front + i, rollout_id))
                 else:
                     conn.execute("UPDATE rollouts SET status = ?, error = ?, end_time = ? WHERE rollout_id = ?",
                                  (FAILED, error, now, rollout_id))
@@ -460,6 +459,12 @@ class SqliteStore:
         with self._changed:
             self._changed.wait(min(left, POLL_S))
         return True
+
+
+def _front(conn: sqlite3.Connection, n: int, now: float) -> float:
+    """The priority of the first of ``n`` rollouts put ahead of every one held (each next one at most 1 more):
+    the lowest priority held (``now`` when none is), less ``n``."""
+    return (conn.execute("SELECT MIN(priority) FROM rollouts").fetchone()[0] or now) - n
 
 
 def _drop_duplicate_spans(conn: sqlite3.Connection) -> None:

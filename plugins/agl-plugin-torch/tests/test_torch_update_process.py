@@ -113,7 +113,7 @@ def test_a_process_that_died_is_named(pair):
 
 def test_the_process_runs_at_the_configured_lower_priority(pair):
     """The rollout plane gets the cores first (``update_process_nice``, 10 by default)."""
-    here, there = pair
+    _, there = pair
     assert there.config.update_process_nice == 10
     mine = os.getpriority(os.PRIO_PROCESS, 0)
     assert os.getpriority(os.PRIO_PROCESS, there.update_process.pid) == min(19, mine + 10)

@@ -11,6 +11,7 @@ gateway's calls around a sync (``SYNCS_BETWEEN_CALLS``).
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -49,9 +50,10 @@ def test_every_answer_is_made_by_the_one_version_it_reports_while_weights_sync_u
                         param.add_(torch.randn_like(param) * 0.2)
                 backend.sync_weights(version)
                 weights[version] = {k: v.clone() for k, v in backend.actor.state_dict().items()}
-                n = len(answers)
+                n, deadline = len(answers), time.monotonic() + 30
                 while len(answers) < n + CALLERS:  # calls served between this sync and the next
-                    threading.Event().wait(0.005)
+                    assert time.monotonic() < deadline, "the engine stopped answering"
+                    time.sleep(0.005)
             stop.set()
             for caller in callers:
                 caller.result()
