@@ -157,31 +157,22 @@ def _service_flags(parser: argparse.ArgumentParser, token_env: str) -> None:
     parser.add_argument("--token", help=f"bearer token callers must send (default: ${token_env})")
 
 
-class Interrupted(KeyboardInterrupt):
-    """A signal asked the run to stop; raised in the main thread like Ctrl-C's KeyboardInterrupt."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _interrupt(signum: int, frame) -> None:
-    raise Interrupted(signum)
-
-
 def cmd_train(args) -> int:
-    """Run the recipe. SIGINT (Ctrl-C) and SIGTERM stop it the same clean way: every plugin's
-    ``on_train_end`` runs, the run directory is released, and the exit code is 128 + the signal."""
+    """Run the recipe. SIGINT (Ctrl-C) and SIGTERM stop it the same clean way: once the running step
+    ends (a second signal: at once), every plugin's ``on_train_end`` runs, the run directory is released,
+    and the exit code is 128 + the signal."""
     from agl_core.checkpoint import latest_checkpoint
     from agl_core.loop import Trainer
+    from agl_core.stop import Interrupted, raise_interrupted
 
     if args.trace_hooks:
         os.environ[TRACE_ENV] = "1"  # read when the plugin set is loaded
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, raise_interrupted)  # until the trainer exists: stop at once
     trainer = None
     try:
         recipe, plugins = load(args.recipe, args.overrides, args.plugin_flags)
         trainer = Trainer(recipe, plugins)
+        trainer.stop.install()
         trainer.fit()
     except KeyboardInterrupt as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT

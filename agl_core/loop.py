@@ -31,6 +31,7 @@ from agl_core.data import Batch, Task
 from agl_core.metrics import (compute_throughput_metrics, compute_timing_metrics, row_statistics, sequence_lengths,
                               summarize)
 from agl_core.plugins import PluginSet, call
+from agl_core.stop import StopRequest
 from agl_core.tasks import TaskSampler, load_tasks
 from agl_core.timing import timer
 from agl_core.wiring import plan
@@ -62,6 +63,8 @@ class Trainer:
         # trainer.async.max_staleness >= 1: the next steps' rollouts are collected while this one trains.
         self.pipeline = (AsyncRollouts(self.ctx, self.sampler, cfg.trainer.async_, self.total_steps)
                          if cfg.trainer.async_.max_staleness else None)
+        # A stop asked for by a signal (agl train installs the handler): honoured between steps.
+        self.stop = StopRequest()
 
     # ------------------------------------------------------------------ the step
 
@@ -204,6 +207,7 @@ class Trainer:
             progress = tqdm(total=self.total_steps, initial=ctx.step, desc="Training",
                             disable=not cfg.progress, dynamic_ncols=True)
             while ctx.step < self.total_steps:
+                self.stop.check()
                 ctx.step += 1
                 if self.pipeline is None:
                     tasks = self.sampler.next_batch()
