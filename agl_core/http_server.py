@@ -53,7 +53,7 @@ class ServerThread:
             raise ConfigError(f"{key}{name} cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None
         self.port: int = self._socket.getsockname()[1]
         if lean_body_limit is not None:
-            self._server = LeanServer(app, max_body_bytes=lean_body_limit)
+            self._server = LeanServer(app, max_body_bytes=lean_body_limit, loop=_fastest("uvloop", "asyncio"))
         else:
             config = uvicorn.Config(app, loop=_fastest("uvloop", "asyncio"), http=_fastest("httptools", "h11"),
                                     lifespan="on", log_level="warning", access_log=False,

@@ -42,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import http
-import importlib.util
 import logging
 import socket
 import time
@@ -66,11 +65,12 @@ as much as the rest of the server's work on a store call answered by the fast pa
 
 class LeanServer:
     """Serves ``app`` on the sockets given to :meth:`run`; the interface of ``uvicorn.Server`` that
-    :class:`agl_core.http_server.ServerThread` uses (``run(sockets)``, ``started``, ``should_exit``)."""
+    :class:`agl_core.http_server.ServerThread` uses (``run(sockets)``, ``started``, ``should_exit``). ``loop`` names
+    the event loop it runs, ``uvloop`` (a third less per request) or ``asyncio``, as uvicorn's setting of that name."""
 
-    def __init__(self, app: Any, *, max_body_bytes: int, body_timeout_s: float = 60.0, keep_alive_s: float = 60.0,
-                 shutdown_timeout_s: float = 10.0):
-        self.app, self.max_body_bytes = app, max_body_bytes
+    def __init__(self, app: Any, *, max_body_bytes: int, loop: str = "asyncio", body_timeout_s: float = 60.0,
+                 keep_alive_s: float = 60.0, shutdown_timeout_s: float = 10.0):
+        self.app, self.max_body_bytes, self.loop = app, max_body_bytes, loop
         self.answer_now = getattr(app, "answer_now", None)
         self.body_timeout_s, self.keep_alive_s, self.shutdown_timeout_s = body_timeout_s, keep_alive_s, \
             shutdown_timeout_s
@@ -79,7 +79,7 @@ class LeanServer:
 
     def run(self, sockets: list[socket.socket]) -> None:
         """Serve on this thread until ``should_exit`` is set (see the module docstring for the stop)."""
-        if importlib.util.find_spec("uvloop"):  # a third less per request than asyncio's own loop
+        if self.loop == "uvloop":
             import uvloop
             loop = uvloop.new_event_loop()
         else:

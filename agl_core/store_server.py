@@ -458,7 +458,8 @@ class StoreService:
         return answer
 
     async def _read(self, receive: Any) -> bytes:
-        """The request body. The lean server read it whole, within its size and time limits, before calling."""
+        """The request body. The lean server read it whole, within its size and time limits, before calling; the
+        size is checked again for an ASGI server that does not bound it (the app mounted elsewhere)."""
         chunks, size = [], 0
         while True:
             message = await receive()
