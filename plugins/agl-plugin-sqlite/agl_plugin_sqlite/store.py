@@ -194,12 +194,15 @@ class SqliteStore:
     def enqueue(self, rollouts: Sequence[NewRollout]) -> None:
         now = time.time()
         reserve = self.reserve_sequence_ids
+        # Serialized before the write lock is taken: only the priorities of rollouts queued ahead need the file.
+        fields = [(r.rollout_id, r.task.model_dump_json(), r.sample_index, json.dumps(r.metadata), QUEUING)
+                  for r in rollouts]
         try:
             with self._transaction() as conn:
                 # Rollouts are dequeued by priority: the time they were queued, unless queued ahead.
                 front = _front(conn, len(rollouts), now) if any(r.ahead for r in rollouts) else now
-                rows = [(r.rollout_id, r.task.model_dump_json(), r.sample_index, json.dumps(r.metadata), QUEUING,
-                         (front if r.ahead else now) + i * 1e-6, r.max_attempts) for i, r in enumerate(rollouts)]
+                rows = [(*head, (front if r.ahead else now) + i * 1e-6, r.max_attempts)
+                        for i, (head, r) in enumerate(zip(fields, rollouts))]
                 conn.executemany("INSERT INTO rollouts (rollout_id, task, sample_index, metadata, status, "
                                  "priority, max_attempts) VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
                 if reserve:  # the first block of ids, in this commit rather than one of its own at the first id
