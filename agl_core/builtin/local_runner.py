@@ -19,7 +19,7 @@ from agl_core.plugins import PluginError
 from agl_core.runner import LocalRunner, cancel_abandoned
 from agl_core.store import Store
 
-if TYPE_CHECKING:  # the gateway's server (aiohttp, Starlette) is imported when a run starts one
+if TYPE_CHECKING:  # the gateway's server (Starlette, uvicorn) is imported when a run starts one
     from agl_core.gateway import Gateway
     from agl_core.http_server import ServerThread
 

@@ -4,7 +4,7 @@ __all__ = ["Gateway"]
 
 
 def __getattr__(name: str):
-    # The server (aiohttp, Starlette) is imported when first asked for: the gateway's clients
+    # The server (Starlette, uvicorn) is imported when first asked for: the gateway's clients
     # (agl_core.gateway.client) and translations load without it.
     if name == "Gateway":
         from agl_core.gateway.server import Gateway

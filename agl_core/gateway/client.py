@@ -12,8 +12,8 @@ with exponential backoff for up to ``connect_timeout_s``, logging each retry,
 then raise a ValueError naming the URL; a gateway that refuses the token or
 the request is a ValueError at once, with the gateway's reason
 (:func:`call_service`, :func:`check_service`: the same for any service of
-the project). This module imports nothing of the gateway's server (aiohttp,
-Starlette), so plugins that only talk to a gateway load fast.
+the project). This module imports nothing of the gateway's server (Starlette,
+uvicorn), so plugins that only talk to a gateway load fast.
 """
 
 from __future__ import annotations

@@ -31,7 +31,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -42,6 +41,7 @@ from agl_core.data import Span
 from agl_core.gateway.api_routes import TranslatedApis
 from agl_core.gateway.capture import CHAT, COMPLETIONS, Captured, ask_for_tokens, capture, without_token_fields
 from agl_core.gateway.client import ADMIN_POLICY, TOKEN_ENV
+from agl_core.gateway.http_client import HttpClient
 from agl_core.gateway.streaming import (EVENT_STREAM, CallStream, EventStreamResponse, check_stream_fields,
                                        chunks_of, dumps, include_usage, one_batch, sse_batches)
 from agl_core.gateway.tools import check_tools
@@ -110,7 +110,7 @@ class Gateway:
         self.weight_version: int | None = None
         self.calls = CallGate()  # paused around weight syncs
         self._store_failed = False  # logged once: every later call would say the same
-        self._session: aiohttp.ClientSession | None = None
+        self._upstream_client: HttpClient | None = None
         self.translated = TranslatedApis(self)  # /v1/messages and /v1/responses, over self.call
         self.app = Starlette(
             routes=[Route(f"{PREFIX}/chat/completions", self._chat, methods=["POST"]),
@@ -133,13 +133,13 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette):
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-        timeout = aiohttp.ClientTimeout(total=self.config.upstream_timeout_s)
         headers = {"Authorization": f"Bearer {self.upstream_token}"} if self.upstream_token else None
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
-            self._session = session
+        self._upstream_client = HttpClient(self.config.upstream_timeout_s, headers)
+        try:
             yield
-        self._session = None
+        finally:
+            await self._upstream_client.close()
+            self._upstream_client = None
 
     # ------------------------------------------------------------ endpoints
 
@@ -226,7 +226,7 @@ class Gateway:
                 url = f"{upstream}/{endpoint.replace('.', '/')}"
                 payload = json.dumps(self._upstream_body(endpoint, body, state, rollout_id, attempt_id,
                                                          sequence_ids[0])).encode()
-                forwarded = await post_with_retries(self._session, url, payload,
+                forwarded = await post_with_retries(self._upstream_client, url, payload,
                                                     self.config.max_retries, self.config.retry_backoff_s)
         common = self._span_attributes(endpoint, upstream, forwarded.status, forwarded.tries, state, weight_version)
         spans, response = _spans(rollout_id, attempt_id, sequence_ids, endpoint, body, forwarded, common,
@@ -276,7 +276,7 @@ class Gateway:
                 url = f"{upstream}/{endpoint.replace('.', '/')}"
                 upstream_body = self._upstream_body(endpoint, body, state, rollout_id, attempt_id, sequence_ids[0])
                 upstream_body["stream"] = True
-                opened = await open_with_retries(self._session, url, json.dumps(upstream_body).encode(),
+                opened = await open_with_retries(self._upstream_client, url, json.dumps(upstream_body).encode(),
                                                  self.config.max_retries, self.config.retry_backoff_s)
             if isinstance(opened, Opened) and opened.response.content_type != EVENT_STREAM:
                 # The upstream answered the stream request whole: read it; it is streamed back in chunks.
@@ -299,7 +299,7 @@ class Gateway:
             release = None
         else:
             status, tries = opened.response.status, opened.tries
-            batches, release = sse_batches(opened.response.content), opened.response.release
+            batches, release = sse_batches(opened.response), opened.response.release
         common = self._span_attributes(endpoint, upstream, status, tries, state, weight_version)
 
         async def on_close(stream: CallStream) -> None:

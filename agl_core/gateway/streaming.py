@@ -20,10 +20,10 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
-import aiohttp
 import anyio
 
 from agl_core.gateway.capture import CHAT
+from agl_core.gateway.http_client import Response, UpstreamError
 from agl_core.http_rules import RequestError
 
 DONE = b"[DONE]"
@@ -83,7 +83,7 @@ Batches = AsyncIterator[tuple[list[bytes], bool]]
 """A stream's event data, a batch at a time, each with whether the stream ended with it (``[DONE]`` came)."""
 
 
-async def sse_batches(content: aiohttp.StreamReader) -> Batches:
+async def sse_batches(response: Response) -> Batches:
     """The data of the events of an upstream's event stream, a batch per read: every event that had arrived.
 
     Reading what has arrived (not line by line) lets a fast upstream's events go
@@ -91,7 +91,7 @@ async def sse_batches(content: aiohttp.StreamReader) -> Batches:
     """
     parser = SSEParser()
     while not parser.done:
-        data = await content.readany()
+        data = await response.readany()
         if not data:
             return
         payloads = parser.feed(data)
@@ -299,12 +299,14 @@ class CallStream:
     shielded from the cancellation of a client that went away. By then
     :attr:`ended` says whether the upstream's stream reached its end (else
     the consumer stopped early: the call is incomplete) and :attr:`error` why
-    it broke off, if it did. ``release`` lets the upstream connection go (an
-    unfinished upstream stops generating).
+    it broke off, if it did. ``release(drain=...)`` (:meth:`Response.release
+    <agl_core.gateway.http_client.Response.release>`) lets the upstream
+    connection go: an unfinished upstream stops generating, one whose stream
+    ended keeps its connection for the next call.
     """
 
     def __init__(self, endpoint: str, batches: Batches,
-                 on_close: Callable[[CallStream], Awaitable[None]], release: Callable[[], Any] | None = None):
+                 on_close: Callable[[CallStream], Awaitable[None]], release: Callable[..., Any] | None = None):
         self.endpoint = endpoint
         self.assembly = StreamAssembly(endpoint)
         self.ended = False
@@ -340,10 +342,10 @@ class CallStream:
         except StopAsyncIteration:
             self.ended = True
             return []
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.error = "the policy server did not finish its stream in time"
             return []
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             self.error = f"the policy server broke off its stream: {exc}"
             return []
         self._chunks += chunks
@@ -385,7 +387,7 @@ class CallStream:
         self._closed = True
         with anyio.CancelScope(shield=True):
             if self._release is not None:
-                self._release()
+                self._release(drain=self.ended)  # a stream read to its end keeps its connection
             self.assemble()
             if self._bad_chunk:
                 self.error = "the policy server streamed a chunk that is not a JSON object"

@@ -6,7 +6,7 @@ import asyncio
 import zlib
 from dataclasses import dataclass
 
-import aiohttp
+from agl_core.gateway.http_client import HttpClient, Response, UpstreamError
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 MAX_RETRY_AFTER_S = 30.0
@@ -49,26 +49,26 @@ class Forwarded:
 class Opened:
     """An upstream answer with a success status whose body is still to be read (a stream), after ``tries`` tries."""
 
-    response: aiohttp.ClientResponse
+    response: Response
     tries: int
 
 
-async def post_with_retries(session: aiohttp.ClientSession, url: str, body: bytes,
+async def post_with_retries(client: HttpClient, url: str, body: bytes,
                             max_retries: int, backoff_s: float) -> Forwarded:
     """POST ``body`` to ``url`` and read the whole answer; retries as :func:`open_with_retries`."""
-    opened = await open_with_retries(session, url, body, max_retries, backoff_s)
+    opened = await open_with_retries(client, url, body, max_retries, backoff_s)
     if isinstance(opened, Forwarded):
         return opened
     try:
         async with opened.response as response:
             return Forwarded(response.status, await response.read(), opened.tries)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return Forwarded(504, b"", opened.tries, f"the policy server {url} did not answer in time")
-    except aiohttp.ClientError as exc:
+    except UpstreamError as exc:
         return Forwarded(502, b"", opened.tries, f"the policy server {url} broke off its answer: {exc}")
 
 
-async def open_with_retries(session: aiohttp.ClientSession, url: str, body: bytes,
+async def open_with_retries(client: HttpClient, url: str, body: bytes,
                             max_retries: int, backoff_s: float) -> Opened | Forwarded:
     """POST ``body`` to ``url``; retry 429/5xx answers and refused connections with exponential backoff.
 
@@ -83,7 +83,7 @@ async def open_with_retries(session: aiohttp.ClientSession, url: str, body: byte
         tries += 1
         retry_after = None
         try:
-            response = await session.post(url, data=body, headers={"Content-Type": "application/json"})
+            response = await client.post(url, body)
             if response.status < 400:
                 return Opened(response, tries)
             async with response:
@@ -91,9 +91,9 @@ async def open_with_retries(session: aiohttp.ClientSession, url: str, body: byte
             if response.status not in RETRY_STATUSES or tries > max_retries:
                 return Forwarded(response.status, payload, tries)
             retry_after = _seconds(response.headers.get("Retry-After"))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return Forwarded(504, b"", tries, f"the policy server {url} did not answer in time")
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             if tries > max_retries:
                 return Forwarded(502, b"", tries, f"cannot reach the policy server {url}: {exc}")
         delay = backoff_s * 2 ** (tries - 1)
