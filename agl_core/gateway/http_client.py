@@ -6,8 +6,8 @@ asyncio and httptools (the parser uvicorn and the store client use):
 
 - a pool of idle connections per server, without limit (as the gateway's
   agents are bounded by the runner, not here); a request on a kept-alive
-  connection that the server closed before answering is sent again once on
-  a new connection (the server read none of it);
+  connection that the server closed without a byte of answer is sent again
+  on another connection (servers close idle connections: uvicorn after 5 s);
 - the answer's status and headers as soon as they arrive
   (:meth:`HttpClient.post`), then its body whole (:meth:`Response.read`) or a
   read at a time (:meth:`Response.readany`, for a stream), chunked,
