@@ -15,7 +15,7 @@ from starlette.routing import Route
 from agl_core.builtin.memory_store import MemoryStore
 from agl_core.config import GatewayConfig
 from agl_core.data import Task
-from agl_core.gateway import Gateway
+from agl_core.gateway import Gateway, streaming
 from agl_core.gateway.capture import CHAT, COMPLETIONS
 from agl_core.gateway.server import call_seed
 from agl_core.gateway.streaming import CallStream, EventStreamResponse, SSEParser, StreamAssembly, chunks_of
@@ -267,8 +267,9 @@ def test_a_stream_counts_as_a_call_in_flight_for_a_weight_sync_until_it_ends(sto
 
 # ------------------------------------------------------------ the relay, on its own
 
-def relayed(endpoint_name, batches):
-    """The ASGI messages an :class:`EventStreamResponse` sends for a stream of ``batches`` (of chunk objects)."""
+def relayed(endpoint_name, batches, sent=None):
+    """The ASGI messages an :class:`EventStreamResponse` sends for a stream of ``batches`` (of chunk objects),
+    appended to ``sent`` when given (where a test may add marks of its own)."""
     async def upstream():
         for number, batch in enumerate(batches):
             yield [json.dumps(chunk).encode() for chunk in batch], number == len(batches) - 1
@@ -279,7 +280,7 @@ def relayed(endpoint_name, batches):
     async def never_disconnects():
         await asyncio.Event().wait()
 
-    sent = []
+    sent = [] if sent is None else sent
 
     async def send(message):
         sent.append(message)
@@ -303,6 +304,16 @@ def test_a_chat_streams_first_chunk_alone_waits_for_the_first_token_its_last_for
     # The chunks that came with the upstream's end go out with the gateway's, once the call is recorded.
     assert events_of(sent[3]) == [tokens[2]] and sent[3]["body"].endswith(b"data: [DONE]\n\n")
     assert [m.get("more_body") for m in sent[1:]] == [True, True, False]
+
+
+def test_the_relay_gives_its_core_away_once_right_after_the_first_token_goes_out(monkeypatch):
+    """The agent woken by the first token's write may wait on the relay's core: the relay yields it then, once."""
+    tokens = [{"choices": [{"index": 0, "text": c, "token_ids": [i]}]} for i, c in enumerate("abcd")]
+    log = []
+    monkeypatch.setattr(streaming, "yield_core", lambda: log.append("yield"))
+    relayed(COMPLETIONS, [[token] for token in tokens], log)
+    assert [m if m == "yield" else m["type"] for m in log] == \
+        ["http.response.start", "http.response.body", "yield"] + ["http.response.body"] * 3
 
 
 def test_a_completions_first_chunk_holds_a_token_and_goes_out_at_once():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
@@ -25,6 +26,9 @@ import anyio
 from agl_core.gateway.capture import CHAT
 from agl_core.gateway.http_client import Response, UpstreamError
 from agl_core.http_rules import RequestError
+
+yield_core = getattr(os, "sched_yield", lambda: None)
+"""Give this core away once, after a stream's first write (see :class:`EventStreamResponse`)."""
 
 DONE = b"[DONE]"
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -400,8 +404,13 @@ class EventStreamResponse:
     Each chunk goes out as it arrives, but a chat stream's first chunk when
     it came alone (the role's, no token yet, in vLLM's layout) waits for the
     next, so that the client wakes once for it and the first token, not
-    twice, which on busy cores is what the first token waits for. At the end
-    the call is recorded before the last event (``[DONE]``, or an error event
+    twice, which on busy cores is what the first token waits for. After the
+    first write the relay gives its core away once (``sched_yield``): the
+    scheduler tends to wake a reader on its writer's core, so the agent just
+    woken for its first token would otherwise wait there while the relay goes
+    on with the rest of a fast stream (on 2 busy cores that wait was most of
+    the first token's time through the gateway; on an idle machine the call
+    returns at once). At the end the call is recorded before the last event (``[DONE]``, or an error event
     when the upstream broke off or the store could not record), so a client
     that saw the end of the stream sees a recorded call; the chunks that came
     with the upstream's end go out with it, in one write. A client that
@@ -445,7 +454,7 @@ class EventStreamResponse:
         frames: list[bytes] = []  # what goes out with the next write (see the class)
         try:
             frames = self._opening()
-            first = True
+            first, yielded = True, False
             while batch := await stream.next_batch():
                 self._add_frames(frames, batch)
                 held = stream.ended or (first and len(batch) == 1 and self._holds_first())
@@ -453,6 +462,9 @@ class EventStreamResponse:
                 if frames and not held:
                     await send({"type": "http.response.body", "body": b"".join(frames), "more_body": True})
                     frames = []
+                    if not yielded:
+                        yielded = True
+                        yield_core()
                     stream.assemble()
         except ValueError:
             pass  # a chunk that is not a JSON object (a translation reads each): closing the stream finds it
