@@ -214,22 +214,15 @@ class _Connection(asyncio.Protocol):
             finally:
                 self._waiter = None
         data = self._body.popleft() if len(self._body) == 1 else b"".join(self._body)
-        self._body.clear()
-        self._buffered = 0
-        if self._paused and not self.closed:
-            self._paused = False
-            self.transport.resume_reading()
+        self._drop_body()
         return data
 
     def release(self, drain: bool) -> None:
         """Back to the idle pool once its answer arrived whole and the server keeps it alive; else closed, or,
         with ``drain``, left to finish arriving (unread) before its deadline, then pooled or closed the same way."""
-        self._body.clear()
+        self._drop_body()
         if not self._complete and drain and not self.closed:
             self._draining = True
-            if self._paused:
-                self._paused = False
-                self.transport.resume_reading()
             return
         self._cancel_timer()
         if self._complete and self._keep_alive and not self.closed:
@@ -237,6 +230,14 @@ class _Connection(asyncio.Protocol):
             self.client._idle[self.key].append(self)
         else:
             self.abort(None)
+
+    def _drop_body(self) -> None:
+        """Forget the body read so far (taken by the reader, or not wanted), and read the socket again."""
+        self._body.clear()
+        self._buffered = 0
+        if self._paused and not self.closed:
+            self._paused = False
+            self.transport.resume_reading()
 
     def abort(self, error: BaseException | None) -> None:
         if error is not None:
