@@ -40,7 +40,8 @@ class RawServer:
         """Read one request (head and body); its body."""
         head = await reader.readuntil(b"\r\n\r\n")
         self.heads.append(head)
-        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
         return await reader.readexactly(length)
 
 
@@ -55,6 +56,18 @@ def chunk(data: bytes) -> bytes:
 
 def run(coroutine):
     return asyncio.run(coroutine)
+
+
+def replying(reply: bytes, *, close: bool = False):
+    """A handler that answers one request with ``reply``, then closes the connection (``close``) or waits for the
+    client to leave."""
+    async def handler(reader, writer, server):
+        await server.request(reader)
+        writer.write(reply)
+        await writer.drain()
+        if not close:
+            await reader.read()
+    return handler
 
 
 def test_answers_come_back_whole_with_their_headers_and_kept_alive_connections_are_reused():
@@ -156,12 +169,8 @@ def test_a_server_that_does_not_listen_is_an_upstream_error_naming_the_url():
 
 
 def test_a_server_that_does_not_answer_in_time_is_a_timeout_and_its_connection_is_dropped():
-    async def silent(reader, writer, server):
-        await server.request(reader)
-        await reader.read()  # until the client drops the connection
-
     async def main():
-        async with RawServer(silent) as server:
+        async with RawServer(replying(b"")) as server:
             with pytest.raises(TimeoutError):
                 await HttpClient(0.2).post(server.url, b"{}")
             await asyncio.wait_for(server.closed.wait(), 5)
@@ -170,10 +179,7 @@ def test_a_server_that_does_not_answer_in_time_is_a_timeout_and_its_connection_i
 
 
 def test_a_deadline_covers_the_body_too():
-    async def stalls_mid_stream(reader, writer, server):
-        await server.request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk(b"data: 1\n\n"))
-        await reader.read()
+    stalls_mid_stream = replying(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk(b"data: 1\n\n"))
 
     async def main():
         async with RawServer(stalls_mid_stream) as server:
@@ -191,13 +197,8 @@ def test_a_deadline_covers_the_body_too():
     (b"SMTP ready\r\n\r\n", "not HTTP/1.1"),
 ])
 def test_an_answer_cut_short_or_not_http_is_an_upstream_error_saying_so(reply, error):
-    async def bad(reader, writer, server):
-        await server.request(reader)
-        writer.write(reply)
-        await writer.drain()
-
     async def main():
-        async with RawServer(bad) as server:
+        async with RawServer(replying(reply, close=True)) as server:
             async with await HttpClient(5.0).post(server.url, b"{}") as response:
                 await response.read()
 
@@ -206,13 +207,8 @@ def test_an_answer_cut_short_or_not_http_is_an_upstream_error_saying_so(reply, e
 
 
 def test_an_interim_100_continue_is_skipped_for_the_answer_that_follows():
-    async def continues(reader, writer, server):
-        await server.request(reader)
-        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n" + answer(b"{}"))
-        await reader.read()
-
     async def main():
-        async with RawServer(continues) as server:
+        async with RawServer(replying(b"HTTP/1.1 100 Continue\r\n\r\n" + answer(b"{}"))) as server:
             async with await HttpClient(5.0).post(server.url, b"{}") as response:
                 return response.status, await response.read()
 
