@@ -173,7 +173,8 @@ async def translation_phase(gateway_url: str, calls: int, stream: bool) -> dict[
     ``/v1/messages`` and one ``/v1/responses`` call asking for the same
     prompt and sampling (all streamed, read to their end, or none), in a fresh
     order each round (:func:`shuffled_rounds`) so that a busy moment of the
-    machine falls on each API alike. Latency p50 per API and each translation's p50 minus the chat call's.
+    machine falls on each API alike. Latency p50 per API and each
+    translation's p50 minus the chat call's.
     """
     base = f"{gateway_url}/rollout/r0/attempt/1/v1"
     system, user = MESSAGES[0]["content"], MESSAGES[1]["content"]
