@@ -1,15 +1,16 @@
 """The loop with ``trainer.async``: k=0 is the synchronous loop bit for bit; k>=1 refuses a plane it cannot drive.
 
-``data/quickstart_sync_metrics.jsonl`` holds the quick start's metrics (all but
+``data/quickstart_sync_metrics/`` holds the quick start's metrics (all but
 times) as the loop logged them before asynchronous training existed (commit
-02faa85's loop). Regenerate it only for a change that is meant to move the
-quick start's numbers: ``agl train examples/quickstart/recipe.yaml
-trainer.run_dir=DIR`` and keep the keys this test compares.
+02faa85's loop), one file per kind of machine they were recorded on (see
+:mod:`agl_core.testing.golden`). Record this machine's with that code:
+``agl train examples/quickstart/recipe.yaml trainer.run_dir=DIR``, then
+``record_golden(DIR / "metrics.jsonl", GOLDEN, TIMES)``. A change meant to move
+the quick start's numbers replaces the folder with its own run's file.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -17,10 +18,11 @@ import pytest
 from agl_core.config import load
 from agl_core.loop import Trainer
 from agl_core.plugins import PluginError
+from agl_core.testing.golden import check_golden
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "quickstart" / "recipe.yaml"
-GOLDEN = Path(__file__).parent / "data" / "quickstart_sync_metrics.jsonl"
+GOLDEN = Path(__file__).parent / "data" / "quickstart_sync_metrics"
 TIMES = ("timing_s/", "timing_per_token_ms/", "perf/", "rollout/latency_s/")
 
 
@@ -36,12 +38,7 @@ def train(run_dir: Path, *overrides: str) -> Trainer:
 def test_k0_reproduces_the_synchronous_quickstart_bit_for_bit(tmp_path):
     trainer = train(tmp_path / "run", "trainer.async.max_staleness=0")
     assert trainer.pipeline is None
-    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    got = [{k: v for k, v in record.items() if not k.startswith(TIMES)} for record in logged]
-    expected = [json.loads(line) for line in GOLDEN.read_text().splitlines()]
-    assert [r["step"] for r in got] == [r["step"] for r in expected]
-    for mine, theirs in zip(got, expected):
-        assert mine == theirs, mine["step"]  # exact floats: the same computation, not a close one
+    check_golden(tmp_path / "run" / "metrics.jsonl", GOLDEN, TIMES)
 
 
 def test_async_with_a_backend_that_collects_its_own_rollouts_is_refused_at_start(tmp_path):

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from agl_core.cli import main
+from agl_core.testing.golden import check_golden
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPE = REPO / "examples" / "guess_number" / "recipe.yaml"
@@ -42,7 +43,7 @@ def test_the_recipe_trains_and_logs(tmp_path, monkeypatch):
     assert main(["plot", str(run_dir)]) == 0 and (run_dir / "curves.png").exists()
 
 
-GOLDEN = Path(__file__).parent / "data" / "guess_number_sync_metrics.jsonl"
+GOLDEN = Path(__file__).parent / "data" / "guess_number_sync_metrics"
 UNREPEATABLE = ("timing_s/", "timing_per_token_ms/", "perf/", "rollout/latency_s/",
                 "training/rollout_logprob_diff/")
 """Times, and the serving/training log-prob gap (~1e-8: float noise of which calls the engine batched together)."""
@@ -52,21 +53,16 @@ def test_k0_reproduces_the_synchronous_default_recipe_bit_for_bit(tmp_path, monk
     """``trainer.async.max_staleness=0`` trains the default recipe (at reduced size) exactly as the loop did before
     asynchronous training existed.
 
-    ``data/guess_number_sync_metrics.jsonl`` holds the metrics (all but times) of this run made with commit
-    02faa85's code, on this project's development machine (x86-64, torch 2.13.0 CPU build, one thread): every model
-    call is seeded by its place in the run, so the run is deterministic. Regenerate it only for a change meant to
-    move these numbers, with the command below on that code.
+    ``data/guess_number_sync_metrics/`` holds the metrics (all but times) of this run made with commit 02faa85's
+    code, one file per kind of machine (x86-64, torch 2.13.0 CPU build, one thread; see
+    :mod:`agl_core.testing.golden`): every model call is seeded by its place in the run, so the run is deterministic
+    on one kind of CPU. Record another kind's file with that code and the command below, then ``record_golden``.
+    Metrics added since are not in the golden files and not compared.
     """
     monkeypatch.chdir(REPO)
     run_dir = tmp_path / "run"
     assert main(["train", str(RECIPE), *REDUCED, f"trainer.run_dir={run_dir}", "trainer.async.max_staleness=0"]) == 0
-    got = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    expected = [json.loads(line) for line in GOLDEN.read_text().splitlines()]
-    assert [r["step"] for r in got] == [r["step"] for r in expected]
-    for mine, theirs in zip(got, expected):
-        # Exact floats: the same computation, not a close one. Metrics added since are not in the golden file.
-        assert {k: mine.get(k) for k in theirs if not k.startswith(UNREPEATABLE)} == \
-            {k: v for k, v in theirs.items() if not k.startswith(UNREPEATABLE)}, mine["step"]
+    check_golden(run_dir / "metrics.jsonl", GOLDEN, UNREPEATABLE)
 
 
 REDUCED = ["trainer.total_steps=3", "trainer.test_freq=3", "trainer.save_freq=0", "trainer.progress=false",
