@@ -53,11 +53,9 @@ class UpdateProcess:
                                         name="agl-torch-update", daemon=True)
         self._process.start()
         child.close()
-        try:
-            self._reply("start")
-        except BaseException:
-            self.stop()
-            raise
+        # Not waited for here: the process imports torch and builds its backend (seconds on a small CPU)
+        # while the first batch plays; the first call waits for it (docs/async.md, Figures).
+        self._started = False
 
     @property
     def pid(self) -> int:
@@ -72,6 +70,9 @@ class UpdateProcess:
             raise UpdateProcessError(f"cannot send {method!r} to the torch update process: {exc} (a policy loss "
                                      f"must be a module-level function; or set plugins.torch.update_process: "
                                      f"false)") from exc
+        if not self._started:
+            self._reply(method)  # the process's report that it started (or why it could not)
+            self._started = True
         try:
             self._conn.send_bytes(message)
         except OSError as exc:
@@ -119,7 +120,7 @@ def serve(conn: Connection, parts: dict[str, Any], optimizer_states: dict[str, A
         backend.load_optimizer_states(optimizer_states)
         conn.send((True, None))
     except BaseException:
-        conn.send((False, traceback.format_exc()))
+        conn.send((False, "while starting:\n" + traceback.format_exc()))
         return
     while True:
         try:

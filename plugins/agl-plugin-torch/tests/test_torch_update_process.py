@@ -5,8 +5,9 @@ made in the trainer's process from the same start, bit for bit, and land in
 the trainer's own tensors; a checkpoint saved with the process holds its
 optimizers' states and resumes into another; an error in the process is
 raised in the caller with the process's traceback; a policy loss that cannot
-be sent, and a process that died, are named; the process runs at a lower
-scheduling priority.
+be sent, and a process that died, are named; a process that cannot start
+says so at the first call (the start is not waited for: it overlaps the first
+batch); the process runs at a lower scheduling priority.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from agl_core.builtin.estimators import vanilla_policy_loss
 from agl_plugin_torch.backend import create
 from agl_plugin_torch.settings import TorchConfig
 from agl_plugin_torch.testing import algorithm, sampled_rows, tiny_section
-from agl_plugin_torch.update_process import UpdateProcessError
+from agl_plugin_torch.update_process import UpdateProcess, UpdateProcessError
 
 
 def made(tmp_path, with_critic=False):
@@ -111,9 +112,22 @@ def test_a_process_that_died_is_named(pair):
         there.run("old_logprobs", rows_to_train(there))
 
 
+def test_a_process_that_cannot_start_says_so_at_the_first_call(tmp_path):
+    backend = made(tmp_path)
+    parts = {"config": backend.config, "source": backend.source, "actor": backend.actor,
+             "tokenizer": backend.tokenizer, "critic": None}
+    process = UpdateProcess(parts, {"actor_optim": {"state": {}}})  # no param_groups: the load fails
+    try:
+        with pytest.raises(UpdateProcessError, match=r"failed in 'old_logprobs':\nwhile starting:(.|\n)*param_groups"):
+            process.call("old_logprobs", rows_to_train(backend))
+    finally:
+        process.stop()
+
+
 def test_the_process_runs_at_the_configured_lower_priority(pair):
     """The rollout plane gets the cores first (``update_process_nice``, 10 by default)."""
     _, there = pair
+    there.run("optimizer_states")  # the process has started: it lowers its priority first
     assert there.config.update_process_nice == 10
     mine = os.getpriority(os.PRIO_PROCESS, 0)
     assert os.getpriority(os.PRIO_PROCESS, there.update_process.pid) == min(19, mine + 10)
