@@ -23,7 +23,7 @@ from agl_core.builtin.estimators import vanilla_policy_loss
 from agl_plugin_torch.backend import create
 from agl_plugin_torch.settings import TorchConfig
 from agl_plugin_torch.testing import algorithm, sampled_rows, tiny_section
-from agl_plugin_torch.update_process import UpdateProcess, UpdateProcessError
+from agl_plugin_torch.update_process import UpdateProcessError
 
 
 def made(tmp_path, with_critic=False):
@@ -112,16 +112,16 @@ def test_a_process_that_died_is_named(pair):
         there.run("old_logprobs", rows_to_train(there))
 
 
-def test_a_process_that_cannot_start_says_so_at_the_first_call(tmp_path):
+def test_a_process_that_cannot_start_says_so_at_the_first_call(tmp_path, monkeypatch):
     backend = made(tmp_path)
-    parts = {"config": backend.config, "source": backend.source, "actor": backend.actor,
-             "tokenizer": backend.tokenizer, "critic": None}
-    process = UpdateProcess(parts, {"actor_optim": {"state": {}}})  # no param_groups: the load fails
+    # Optimizer states without param_groups: the process fails to load them while starting.
+    monkeypatch.setattr(backend, "optimizer_states", lambda: {"actor_optim": {"state": {}}})
+    backend.train_in_a_process()
     try:
         with pytest.raises(UpdateProcessError, match=r"failed in 'old_logprobs':\nwhile starting:(.|\n)*param_groups"):
-            process.call("old_logprobs", rows_to_train(backend))
+            backend.run("old_logprobs", rows_to_train(backend))
     finally:
-        process.stop()
+        backend.stop_serving()
 
 
 def test_the_process_runs_at_the_configured_lower_priority(pair):
