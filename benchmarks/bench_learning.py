@@ -30,7 +30,11 @@ which is fair to both: an asynchronous run's validation also waits for the
 next step's games queued before it). Goals on 2 cores: steps per minute >= 1.25x
 synchronous, time to validation reward 0.9 no worse than synchronous on every
 seed, final validation reward >= 0.95 on every seed. ``--prefetch-share S``
-sets ``trainer.async.prefetch_share`` of the asynchronous runs.
+sets ``trainer.async.prefetch_share`` of the asynchronous runs, and
+``--async-set KEY=VALUE`` (repeatable) any other key of the asynchronous runs
+only, e.g. their learning rate (docs/async.md, "What k trades"): the
+synchronous runs then keep the recipe's, so each side trains as it would be
+set up on its own.
 
 ``--recipe`` trains another recipe the same way, e.g.
 ``examples/guess_number/recipe_ray.yaml``: the same game with the agents,
@@ -40,8 +44,8 @@ on 2 cores an asynchronous run of the default recipe gains little: see
 docs/async.md, Figures.) ``--keep DIR`` keeps the runs' directories
 (``metrics.jsonl``, logs) for a look at the ``async/…`` metrics.
 
-    python benchmarks/bench_learning.py [--seeds 0 1 2] [--async K [--no-tis] [--prefetch-share S]]
-                                        [--recipe R] [--keep DIR] [overrides ...]
+    python benchmarks/bench_learning.py [--seeds 0 1 2] [--async K [--no-tis] [--prefetch-share S]
+                                        [--async-set KEY=VALUE ...]] [--recipe R] [--keep DIR] [overrides ...]
 """
 
 from __future__ import annotations
@@ -142,6 +146,8 @@ def main() -> None:
     parser.add_argument("--prefetch-share", type=float, default=None, metavar="S",
                         help="with --async: trainer.async.prefetch_share of the asynchronous runs (default: the "
                              "recipe's)")
+    parser.add_argument("--async-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="with --async: a recipe override of the asynchronous runs only (repeatable)")
     parser.add_argument("--recipe", type=Path, default=RECIPE,
                         help="the recipe to train (default: examples/guess_number/recipe.yaml)")
     parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
@@ -153,7 +159,8 @@ def main() -> None:
         "sync": ["trainer.async.max_staleness=0"],
         "async": [f"trainer.async.max_staleness={args.max_staleness}"]
         + ([] if args.no_tis else ["algorithm.rollout_correction.rollout_is=token"])
-        + ([] if args.prefetch_share is None else [f"trainer.async.prefetch_share={args.prefetch_share}"])}
+        + ([] if args.prefetch_share is None else [f"trainer.async.prefetch_share={args.prefetch_share}"])
+        + args.async_set}
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     keep = contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory(prefix="bench_learning_")
     with keep as tmp:
