@@ -3,7 +3,7 @@
 In the trainer's process the update's Python (the glue around a small
 model's kernels) shares the interpreter lock with the rollout plane's (agents,
 gateway, store, policy server): overlapping them, as asynchronous training
-means to, only takes turns on that lock (docs/async.md, Figures). Here the
+means to, only takes turns on that lock (docs/async-figures.md). Here the
 log-prob passes and the updates run in a spawned process, on the very same
 weights: the actor's and the critic's tensors are moved to shared memory
 before the process starts, so the optimizer's in-place steps are what the
@@ -54,7 +54,7 @@ class UpdateProcess:
         self._process.start()
         child.close()
         # Not waited for here: the process imports torch and builds its backend (seconds on a small CPU)
-        # while the first batch plays; the first call waits for it (docs/async.md, Figures).
+        # while the first batch plays; the first call waits for it (docs/async-figures.md).
         self._started = False
 
     @property
