@@ -135,12 +135,25 @@ class TrainerConfig(Section):
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
 
 
+MIN_TEMPERATURE = 1e-2
+"""Temperatures in (0, 1e-2) are refused (in a recipe and in a request): logits divided by them overflow. 0 asks
+for greedy decoding."""
+
+
 class SamplingConfig(Section):
     """Sampling parameters the gateway adds to a model call that does not set them (the agent's own win)."""
 
-    temperature: float | None = Field(1.0, ge=0, description="sampling temperature (1.0: on-policy samples)")
+    temperature: float | None = Field(1.0, ge=0, description="sampling temperature (1.0: on-policy samples; "
+                                                             "0: greedy)")
     top_p: float | None = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
     max_tokens: int | None = Field(None, ge=1, description="response token limit (None: data.max_response_length)")
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_or_not_overflowing(cls, value: float | None) -> float | None:
+        if value is not None and 0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
+        return value
 
 
 class GatewayConfig(Section):
@@ -362,7 +375,9 @@ def explain(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> s
             lines.append(f"{path}: required setting is missing")
         else:
             got = err.get("input")
-            lines.append(f"{path}: {err['msg']} (got {got!r})")
+            # a validator's own ValueError: its message, without pydantic's "Value error, " before it
+            message = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
+            lines.append(f"{path}: {message} (got {got!r})")
     return "invalid recipe:\n  " + "\n  ".join(lines)
 
 

@@ -28,6 +28,8 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from agl_core.config import MIN_TEMPERATURE
+
 INT64_MAX = 2**63 - 1
 
 
@@ -187,9 +189,6 @@ def number(name: str, value: Any, *, low: float | None = None, high: float | Non
         raise RequestError(400, f"'{name}' must be in {bounds}, got {value}")
     return value
 
-
-MIN_TEMPERATURE = 1e-2
-"""Temperatures in (0, 1e-2) are refused: logits divided by them overflow. 0 asks for greedy decoding."""
 
 _NUMBERS: dict[str, dict[str, Any]] = {
     "top_p": {"low": 0.0, "high": 1.0, "low_open": True},

@@ -57,6 +57,13 @@ def test_wrong_type_and_bad_choice_name_key_and_allowed_values():
     assert "algorithm.policy_loss.loss_agg_mode: Input should be 'token-mean', 'seq-mean-token-sum'" in message
 
 
+def test_a_temperature_that_would_overflow_the_logits_is_refused_and_greedy_is_not():
+    with pytest.raises(ConfigError, match=r"rollout.sampling.temperature: must be 0 \(greedy\) or at least 0.01 "
+                                          r"\(got 0.005\)"):
+        validate_recipe({"rollout": {"sampling": {"temperature": 0.005}}})
+    assert validate_recipe({"rollout": {"sampling": {"temperature": 0}}}).rollout.sampling.temperature == 0
+
+
 def test_bad_override_and_bad_yaml_name_the_culprit(tmp_path):
     with pytest.raises(ConfigError, match="override 'trainer.total_steps' is not of the form key=value"):
         read_recipe(None, ["trainer.total_steps"])
