@@ -29,10 +29,10 @@ steps between the first and the last step's record, validations included,
 which is fair to both: an asynchronous run's validation also waits for the
 next step's games queued before it). Goals on 2 cores: steps per minute >= 1.25x
 synchronous, time to validation reward 0.9 no worse than synchronous on every
-seed, final validation reward >= 0.95 on every seed. ``--prefetch-share S``
-sets ``trainer.async.prefetch_share`` of the asynchronous runs, and
-``--async-set KEY=VALUE`` (repeatable) any other key of the asynchronous runs
-only, e.g. their learning rate (docs/async.md, "What k trades"): the
+seed, final validation reward >= 0.95 on every seed.
+``--async-set KEY=VALUE`` (repeatable) sets a key of the asynchronous runs
+only, e.g. their learning rate (docs/async.md, "What k trades") or
+``trainer.async.prefetch_share``: the
 synchronous runs then keep the recipe's, so each side trains as it would be
 set up on its own.
 
@@ -44,8 +44,8 @@ on 2 cores an asynchronous run of the default recipe gains little: see
 docs/async-figures.md.) ``--keep DIR`` keeps the runs' directories
 (``metrics.jsonl``, logs) for a look at the ``async/…`` metrics.
 
-    python benchmarks/bench_learning.py [--seeds 0 1 2] [--async K [--no-tis] [--prefetch-share S]
-                                        [--async-set KEY=VALUE ...]] [--recipe R] [--keep DIR] [overrides ...]
+    python benchmarks/bench_learning.py [--seeds 0 1 2] [--async K [--no-tis] [--async-set KEY=VALUE ...]]
+                                        [--recipe R] [--keep DIR] [overrides ...]
 """
 
 from __future__ import annotations
@@ -143,9 +143,6 @@ def main() -> None:
     parser.add_argument("--no-tis", action="store_true",
                         help="with --async: train without the TIS correction (on by default: one-step-stale "
                              "samples of the default recipe learn worse without it)")
-    parser.add_argument("--prefetch-share", type=float, default=None, metavar="S",
-                        help="with --async: trainer.async.prefetch_share of the asynchronous runs (default: the "
-                             "recipe's)")
     parser.add_argument("--async-set", action="append", default=[], metavar="KEY=VALUE",
                         help="with --async: a recipe override of the asynchronous runs only (repeatable)")
     parser.add_argument("--recipe", type=Path, default=RECIPE,
@@ -159,7 +156,6 @@ def main() -> None:
         "sync": ["trainer.async.max_staleness=0"],
         "async": [f"trainer.async.max_staleness={args.max_staleness}"]
         + ([] if args.no_tis else ["algorithm.rollout_correction.rollout_is=token"])
-        + ([] if args.prefetch_share is None else [f"trainer.async.prefetch_share={args.prefetch_share}"])
         + args.async_set}
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     keep = contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory(prefix="bench_learning_")
