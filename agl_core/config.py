@@ -24,6 +24,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
+from agl_core.http_rules import MIN_TEMPERATURE
 from agl_core.plugins import HOOK_KINDS, RESERVED_NAMES, PluginError, PluginSet, did_you_mean, parse_plugin_flags
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -133,11 +134,6 @@ class TrainerConfig(Section):
     balance_batch: bool = True
     progress: bool = True
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
-
-
-MIN_TEMPERATURE = 1e-2
-"""Temperatures in (0, 1e-2) are refused (in a recipe and in a request): logits divided by them overflow. 0 asks
-for greedy decoding."""
 
 
 class SamplingConfig(Section):

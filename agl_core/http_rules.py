@@ -28,8 +28,6 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from agl_core.config import MIN_TEMPERATURE
-
 INT64_MAX = 2**63 - 1
 
 
@@ -189,6 +187,10 @@ def number(name: str, value: Any, *, low: float | None = None, high: float | Non
         raise RequestError(400, f"'{name}' must be in {bounds}, got {value}")
     return value
 
+
+MIN_TEMPERATURE = 1e-2
+"""Temperatures in (0, 1e-2) are refused, in a request and in a recipe's sampling: logits divided by them
+overflow. 0 asks for greedy decoding."""
 
 _NUMBERS: dict[str, dict[str, Any]] = {
     "top_p": {"low": 0.0, "high": 1.0, "low_open": True},
