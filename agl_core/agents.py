@@ -28,10 +28,11 @@ import math
 import numbers
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import importlib_metadata
 
@@ -40,6 +41,8 @@ if TYPE_CHECKING:  # agl_core.data imports torch; `import agl_core` stays light 
     from agl_core.store import Store
 
 ENTRY_POINT_GROUP = "agl_core.agents"
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,31 @@ class LLM:
     model: str
     api_key: str
     sampling: dict[str, Any] = field(default_factory=dict)
+
+
+def per_thread(make: Callable[[], T]) -> Callable[[], T]:
+    """A function that returns ``make()``'s result for the calling thread, made at the thread's first call.
+
+    For an agent's HTTP client: the runner plays games on many worker
+    threads, and one client shared by all of them makes every call take
+    its connection pool's lock twice (httpx's pool, whose bookkeeping under
+    that lock grows with the connections); with 32 workers the agents
+    spent more time waiting for it than calling. One client per worker
+    thread keeps the pool's reuse of connections without the contention::
+
+        HTTP = per_thread(DefaultHttpxClient)
+
+        def my_agent(task, llm):
+            client = OpenAI(base_url=llm.base_url, api_key=llm.api_key, http_client=HTTP())
+    """
+    local = threading.local()
+
+    def mine() -> T:
+        made = getattr(local, "made", None)
+        if made is None:
+            made = local.made = make()
+        return made
+    return mine
 
 
 def agent(name: str | None = None) -> Callable[[Callable], Callable]:

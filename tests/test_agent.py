@@ -3,6 +3,7 @@
 import math
 import re
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 from fractions import Fraction
 
@@ -147,3 +148,14 @@ def test_an_agent_module_in_the_working_directory_is_found(tmp_path, monkeypatch
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     monkeypatch.delitem(sys.modules, "cwd_agent", raising=False)
     assert load_agent("cwd_agent:run")(None, None) == 3.0
+
+
+def test_per_thread_makes_one_object_per_thread_and_reuses_it():
+    made = []
+    http = agl_core.per_thread(lambda: made.append(object()) or made[-1])
+    mine = http()
+    assert http() is mine
+    with ThreadPoolExecutor(3) as pool:
+        theirs = list(pool.map(lambda _: (http(), http()), range(9)))
+    assert all(a is b and a is not mine for a, b in theirs)
+    assert len({id(a) for a, _ in theirs}) <= 3 and len(made) == 1 + len({id(a) for a, _ in theirs})

@@ -22,7 +22,7 @@ import re
 
 from openai import DefaultHttpxClient, OpenAI
 
-from agl_core import agent
+from agl_core import agent, per_thread
 from agl_core.data import Task
 
 SYSTEM = ("Solve the arithmetic problem. To use the calculator, write <calc>EXPRESSION</calc> "
@@ -31,8 +31,8 @@ SYSTEM = ("Solve the arithmetic problem. To use the calculator, write <calc>EXPR
 CALC = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 ANSWER = re.compile(r"<answer>\s*([-+]?[\d.,]+(?:[eE][-+]?\d+)?)\s*</answer>")
 
-HTTP = DefaultHttpxClient()
-"""One connection pool for every episode (a client per episode costs more than its model calls)."""
+HTTP = per_thread(DefaultHttpxClient)
+"""An HTTP client per worker thread, reused by its games (:func:`agl_core.per_thread` says why)."""
 for _name in ("httpx", "httpx2"):
     logging.getLogger(_name).setLevel(logging.WARNING)
 
@@ -88,7 +88,7 @@ def reply(text: str) -> tuple[str | None, str | None]:
 def calc(task: Task, llm) -> float:
     """Solve one problem; 1.0 when the answer is right within ``max_turns`` model calls, else 0.0."""
     spec = task.input
-    client = OpenAI(base_url=llm.base_url, api_key=llm.api_key, http_client=HTTP, max_retries=0)
+    client = OpenAI(base_url=llm.base_url, api_key=llm.api_key, http_client=HTTP(), max_retries=0)
     temperature = 0.0 if task.split == "val" else llm.sampling.get("temperature", 1.0)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": spec["question"]}]
     for _ in range(spec["max_turns"]):

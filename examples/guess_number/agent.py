@@ -19,14 +19,15 @@ from dataclasses import dataclass
 
 from openai import DefaultHttpxClient, OpenAI
 
-from agl_core import agent
+from agl_core import agent, per_thread
 from agl_core.data import Task
 
 NUMBER = re.compile(r"-?\d+")
 
-HTTP = DefaultHttpxClient()
-"""One connection pool for every game: making an HTTP client per game costs ~20 ms (its TLS setup), more than
-all the game's model calls."""
+HTTP = per_thread(DefaultHttpxClient)
+"""An HTTP client per worker thread, reused by its games: a client per game costs ~20 ms to make (more than
+all the game's model calls), and one shared by every thread makes them queue on its pool's lock
+(:func:`agl_core.per_thread`)."""
 for _name in ("httpx", "httpx2"):  # the openai client's HTTP library (httpx2 from openai 3)
     logging.getLogger(_name).setLevel(logging.WARNING)  # one INFO line per model call drowns the training log
 
@@ -67,7 +68,7 @@ def guess_number(task: Task, llm) -> float:
     """Play one game; 1.0 when the secret is found within ``max_turns`` answers, else 0.0."""
     spec = task.input
     game = Game(spec["low"], spec["high"], spec["secret"])
-    client = OpenAI(base_url=llm.base_url, api_key=llm.api_key, http_client=HTTP, max_retries=0)
+    client = OpenAI(base_url=llm.base_url, api_key=llm.api_key, http_client=HTTP(), max_retries=0)
     temperature = 0.0 if task.split == "val" else llm.sampling.get("temperature", 1.0)
     messages = [{"role": "user", "content": game.prompt()}]
     for _ in range(spec["max_turns"]):

@@ -19,12 +19,12 @@ import logging
 
 from anthropic import Anthropic, DefaultHttpxClient
 
-from agl_core import agent
+from agl_core import agent, per_thread
 from agl_core.data import Task
 from examples.guess_number.agent import Game
 
-HTTP = DefaultHttpxClient()
-"""One connection pool for every game (a client per game would set up its own)."""
+HTTP = per_thread(DefaultHttpxClient)
+"""An HTTP client per worker thread, reused by its games (:func:`agl_core.per_thread` says why)."""
 for _name in ("httpx", "httpx2"):  # the SDK's HTTP library: one INFO line per model call drowns the training log
     logging.getLogger(_name).setLevel(logging.WARNING)
 
@@ -34,7 +34,7 @@ def guess_number_anthropic(task: Task, llm) -> float:
     """Play one game; 1.0 when the secret is found within ``max_turns`` answers, else 0.0."""
     spec = task.input
     game = Game(spec["low"], spec["high"], spec["secret"])
-    client = Anthropic(base_url=llm.base_url.removesuffix("/v1"), api_key=llm.api_key, http_client=HTTP,
+    client = Anthropic(base_url=llm.base_url.removesuffix("/v1"), api_key=llm.api_key, http_client=HTTP(),
                        max_retries=0)
     temperature = 0.0 if task.split == "val" else llm.sampling.get("temperature", 1.0)
     messages = [{"role": "user", "content": game.prompt()}]

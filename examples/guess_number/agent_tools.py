@@ -23,7 +23,7 @@ import logging
 
 from openai import DefaultHttpxClient, LengthFinishReasonError, OpenAI
 
-from agl_core import agent
+from agl_core import agent, per_thread
 from agl_core.data import Task
 from examples.guess_number.agent import Game
 
@@ -32,8 +32,8 @@ GUESS = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"number": {"type": "integer"}}, "required": ["number"]}}}
 CALL_GUESS = {"type": "function", "function": {"name": "guess"}}
 
-HTTP = DefaultHttpxClient()
-"""One connection pool for every game (a client per game would set up its own)."""
+HTTP = per_thread(DefaultHttpxClient)
+"""An HTTP client per worker thread, reused by its games (:func:`agl_core.per_thread` says why)."""
 for _name in ("httpx", "httpx2"):  # the SDK's HTTP library: one INFO line per model call drowns the training log
     logging.getLogger(_name).setLevel(logging.WARNING)
 
@@ -51,7 +51,7 @@ def guess_number_tools(task: Task, llm) -> float:
     """Play one game with the ``guess`` tool; 1.0 when a call names the secret within ``max_turns`` calls."""
     spec = task.input
     game = Game(spec["low"], spec["high"], spec["secret"])
-    client = OpenAI(base_url=llm.base_url, api_key=llm.api_key, http_client=HTTP, max_retries=0)
+    client = OpenAI(base_url=llm.base_url, api_key=llm.api_key, http_client=HTTP(), max_retries=0)
     temperature = 0.0 if task.split == "val" else llm.sampling.get("temperature", 1.0)
     messages: list[dict] = [{"role": "user", "content": game.prompt()}]
     for _ in range(spec["max_turns"]):

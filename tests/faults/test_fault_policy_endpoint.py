@@ -14,6 +14,7 @@ import select
 import socket
 import threading
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -59,7 +60,7 @@ def test_bad_calls_fail_alone_while_good_calls_batched_with_them_succeed(endpoin
         calls.insert(7 * k, bad)
     replies: dict[int, httpx.Response | Exception] = {}
     start = threading.Barrier(len(calls))
-    with httpx.Client(base_url=endpoint.server.url, timeout=60,
+    with httpx.Client(base_url=endpoint.endpoint.url, timeout=60,
                       limits=httpx.Limits(max_connections=len(calls))) as client:
 
         def call(i: int) -> None:
@@ -84,11 +85,11 @@ def test_bad_calls_fail_alone_while_good_calls_batched_with_them_succeed(endpoin
         else:
             assert reply.status_code == 400, (fields, reply.text)
             assert named in reply.json()["error"]["message"]
-    assert endpoint.engine.batches < GOOD_CALLS  # good calls did share batches
+    assert endpoint.endpoint.batches() < GOOD_CALLS  # good calls did share batches
 
 
 def test_an_oversized_body_is_refused_and_the_server_still_answers(endpoint):
-    with httpx.Client(base_url=endpoint.server.url, timeout=60) as client:
+    with httpx.Client(base_url=endpoint.endpoint.url, timeout=60) as client:
         huge = post_chat(client, {"user": "x" * (16 * MAX_BODY_BYTES)})
         assert huge.status_code == 413
         assert "max_body_bytes" in huge.json()["error"]["message"]
@@ -120,9 +121,9 @@ def trickle(port: int, length: int = 200, interval_s: float = 0.2, limit_s: floa
 
 def test_a_trickling_body_is_cut_off_and_the_server_serves_others_meanwhile(endpoint):
     answer: list[tuple[bytes, int]] = []
-    slow = threading.Thread(target=lambda: answer.append(trickle(endpoint.server.port)))
+    slow = threading.Thread(target=lambda: answer.append(trickle(urlsplit(endpoint.url).port)))
     slow.start()
-    with httpx.Client(base_url=endpoint.server.url, timeout=60) as client:
+    with httpx.Client(base_url=endpoint.endpoint.url, timeout=60) as client:
         assert post_chat(client, {}).status_code == 200  # while the slow client holds its connection
         slow.join(30)
         assert answer, "the trickling client got no answer within its time limit"

@@ -1,4 +1,4 @@
-"""The backend's state for one run: models, optimizers, the serving engine and its HTTP server.
+"""The backend's state for one run: models, optimizers, and the policy endpoint (engine and HTTP server).
 
 It lives in ``ctx.state["torch"]`` and is made on first use, which is
 ``load_checkpoint`` when a run resumes and ``on_train_start`` otherwise.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import shutil
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Callable, Sequence
@@ -23,15 +22,13 @@ from transformers.utils import logging as hf_logging
 
 from agl_core.config import AlgorithmConfig
 from agl_core.data import Batch
-from agl_core.http_server import ServerThread
 
-from agl_plugin_torch import modeling, training
-from agl_plugin_torch.engine import Engine
+from agl_plugin_torch import modeling, serving_process, training, update_process
 from agl_plugin_torch.forward import response_logprobs, response_values
-from agl_plugin_torch.server import PolicyServer
+from agl_plugin_torch.serving_process import Endpoint, RemoteEndpoint
 from agl_plugin_torch.settings import TorchConfig
 from agl_plugin_torch.training import PolicyLoss, make_optimizer
-from agl_plugin_torch.update_process import UpdateProcess
+from agl_plugin_torch.worker_process import CONTEXT, WorkerProcess
 
 NAME = "torch"
 STATE_FILE = "torch_state.pt"
@@ -45,7 +42,10 @@ class Backend:
     ``source`` is the directory of the initial model (the recipe's path, or
     the made model in the run directory); the reference policy is loaded
     from it, so a resumed run gets the same reference. ``lock`` serialises
-    generation and training on the shared weights.
+    generation and training on the shared weights; ``served`` holds the
+    version of the weights the endpoint generates with. Both are shared
+    with the endpoint's process when it has one
+    (:mod:`agl_plugin_torch.serving_process`).
 
     In asynchronous training (:meth:`serve_a_copy`) the engine generates with
     ``serving``, a copy of the actor under its own ``serving_lock``, while the
@@ -66,15 +66,14 @@ class Backend:
     critic_optim: torch.optim.Optimizer | None = None
     critic_sched: Any = None
     ref: PreTrainedModel | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    engine: Engine | None = None
-    server: ServerThread | None = None
+    lock: Any = field(default_factory=CONTEXT.Lock)
+    endpoint: Endpoint | RemoteEndpoint | None = None
     weight_version: int = 0
+    served: Any = field(default_factory=lambda: CONTEXT.Value("q", 0, lock=False))
     busy_at_step_start: float = 0.0  # the engine's generating CPU time when the step began
     serving: PreTrainedModel | None = None
-    serving_lock: threading.Lock | None = None
-    serving_version: int = 0
-    update_process: UpdateProcess | None = None
+    serving_lock: Any = None
+    update_process: WorkerProcess | None = None
 
     @classmethod
     def for_training(cls, config: TorchConfig, source: Path, actor: PreTrainedModel,
@@ -90,34 +89,29 @@ class Backend:
     # ------------------------------------------------------------ serving
 
     def start_serving(self, model_name: str) -> None:
-        """Start the engine and the OpenAI-compatible server (idempotent)."""
-        if self.server is not None:
+        """Start the policy endpoint (idempotent): in a process of its own on a CPU (``serving.process``)."""
+        if self.endpoint is not None:
             return
-        serving = self.config.serving
         model, lock = (self.actor, self.lock) if self.serving is None else (self.serving, self.serving_lock)
-        self.engine = Engine(model, lock, self.served_version,
-                             eos_token_ids=eos_token_ids(self.actor, self.tokenizer),
-                             pad_token_id=self.tokenizer.pad_token_id,
-                             decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
-                             generator=self.generator, max_batch_rows=serving.max_batch_rows,
-                             batch_wait_s=serving.batch_wait_ms / 1000).start()
-        context = self.actor.config.max_position_embeddings
-        try:
-            self.server = PolicyServer(self.engine, self.tokenizer, context, serving, model_name).serve()
-        except BaseException:
-            self.engine.stop()
-            raise
+        eos = eos_token_ids(self.actor, self.tokenizer)
+        if self.config.serving.process and _device(model).type == "cpu":
+            model.share_memory()
+            self.endpoint = serving_process.start(model, lock, self.served, self.tokenizer, eos, self.config,
+                                                  model_name, self.generator.get_state())
+        else:
+            self.endpoint = serving_process.serve_model(model, lock, self.served_version, self.tokenizer, eos,
+                                                        self.config, model_name, self.generator)
 
     @property
     def url(self) -> str:
         """The base URL of the policy endpoint (``http://127.0.0.1:PORT/v1``)."""
-        if self.server is None:
+        if self.endpoint is None:
             raise RuntimeError("the policy endpoint is not serving (it starts in on_train_start)")
-        return f"{self.server.url}/v1"
+        return f"{self.endpoint.url}/v1"
 
     def served_version(self) -> int:
         """The version of the weights the engine generates with (read under the engine's lock)."""
-        return self.weight_version if self.serving is None else self.serving_version
+        return self.served.value
 
     def serve_a_copy(self) -> None:
         """Generate with a copy of the actor from now on, so that serving and training overlap.
@@ -127,8 +121,7 @@ class Backend:
         """
         with self.lock:
             self.serving = copy.deepcopy(self.actor).eval().requires_grad_(False)
-            self.serving_version = self.weight_version
-        self.serving_lock = threading.Lock()
+        self.serving_lock = CONTEXT.Lock()
 
     @torch.no_grad()
     def sync_weights(self, version: int) -> None:
@@ -146,21 +139,25 @@ class Backend:
             for name, param in self.actor.named_parameters():
                 if param.requires_grad:
                     served[name].copy_(param)
-            self.serving_version = version
+            self.served.value = version
 
     def set_weight_version(self, version: int) -> None:
         """Record that the weights are now those of update ``version`` (responses report it)."""
         with self.lock:
             self.weight_version = version
+            if self.serving is None:
+                self.served.value = version
+
+    def generated_cpu_s(self) -> float:
+        """CPU seconds the engine has spent generating so far (0 before it serves)."""
+        return 0.0 if self.endpoint is None else self.endpoint.busy_cpu_s()
 
     def stop_serving(self) -> None:
         try:
-            if self.server is not None:
-                self.server.stop()
+            if self.endpoint is not None:
+                self.endpoint.close()
         finally:
-            if self.engine is not None:
-                self.engine.stop()
-            self.server = self.engine = None
+            self.endpoint = None
             if self.update_process is not None:
                 self.update_process.stop()
                 self.update_process = None
@@ -180,7 +177,7 @@ class Backend:
             self.critic.share_memory()
         parts = {"config": self.config, "source": self.source, "actor": self.actor, "tokenizer": self.tokenizer,
                  "critic": self.critic}
-        self.update_process = UpdateProcess(parts, self.optimizer_states())
+        self.update_process = update_process.start(parts, self.optimizer_states())
 
     def run(self, method: str, *args: Any) -> Any:
         """Call the training method ``method`` here, or in the update process when there is one."""
@@ -258,7 +255,9 @@ class Backend:
         """
         self.actor.save_pretrained(path / ACTOR_DIR)
         self.tokenizer.save_pretrained(path / ACTOR_DIR)
-        state = {**self.run("optimizer_states"), "generator": self.generator.get_state(),
+        # The endpoint's generator, which its process (when it has one) has drawn from since it started.
+        generator = self.generator.get_state() if self.endpoint is None else self.endpoint.generator_state()
+        state = {**self.run("optimizer_states"), "generator": generator,
                  "weight_version": self.weight_version}
         if any(not p.requires_grad for p in self.actor.parameters()):
             state["actor_trained"] = {n: p.detach() for n, p in self.actor.named_parameters() if p.requires_grad}

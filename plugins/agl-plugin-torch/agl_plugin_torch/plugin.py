@@ -98,7 +98,7 @@ class TorchBackend:
     @hookimpl
     def on_step_start(self, ctx, step):
         backend = backend_of(ctx)
-        backend.busy_at_step_start = backend.engine.busy_cpu_s if backend.engine is not None else 0.0
+        backend.busy_at_step_start = backend.generated_cpu_s()
 
     @hookimpl
     def on_train_end(self, ctx):
@@ -115,9 +115,9 @@ class TorchBackend:
         backend = backend_of(ctx)
         log_probs, entropy = backend.run("old_logprobs", columns(backend, batch, FORWARD_INPUTS))
         batch["old_log_probs"], batch["entropys"] = log_probs, entropy
-        if backend.engine is not None:
+        if backend.endpoint is not None:
             # The model's own share of the rollouts (timing_s/gen also holds agents, HTTP, gateway, store).
-            ctx.step_metrics["perf/gen_engine_cpu_s"] = backend.engine.busy_cpu_s - backend.busy_at_step_start
+            ctx.step_metrics["perf/gen_engine_cpu_s"] = backend.generated_cpu_s() - backend.busy_at_step_start
         if "rollout_log_probs" in batch:
             ctx.step_metrics.update(rollout_logprob_diff(log_probs, batch["rollout_log_probs"],
                                                          batch["response_mask"]))

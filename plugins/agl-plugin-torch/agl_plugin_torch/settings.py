@@ -94,6 +94,10 @@ class ServingConfig(_Section):
     batch_wait_ms: float = Field(2.0, ge=0, description="after a request arrives, wait this long for others "
                                                         "to join its batch (each new one restarts the wait)")
     default_max_tokens: int = Field(256, ge=1, description="response limit of a request that sets none")
+    process: bool = Field(True, description="on a CPU, serve from a process of its own (over the same weights in "
+                          "shared memory), so that generation does not wait for the trainer's interpreter lock, "
+                          "which the rollout plane's threads hold; the process is spawned, so a script that trains "
+                          "must guard its entry point with `if __name__ == '__main__'`")
 
 
 class TorchConfig(_Section):

@@ -91,7 +91,7 @@ def test_async_steps_train_whole_groups_of_their_own_batch_within_the_bound_each
     assert max(ages) <= 1 and min(ages) >= 0
     assert 1 in ages  # the next step's games were played while the actor trained: by the previous weights
     backend = trainer.ctx.state["torch"]
-    assert backend.serving_version == backend.weight_version == 4
+    assert backend.served_version() == backend.weight_version == 4
     # The serving copy holds the trained weights after the last sync.
     for served, actor in zip(backend.serving.state_dict().values(), backend.actor.state_dict().values()):
         assert served.equal(actor)

@@ -66,7 +66,7 @@ def test_concurrent_calls_are_batched(served, client):
     for thread in threads:
         thread.join(60)
     assert not errors and len(replies) == 16
-    assert served.engine.batches < 16  # some calls shared a forward pass
+    assert served.endpoint.batches() < 16  # some calls shared a forward pass
 
 
 def test_responses_carry_the_version_of_the_weights_that_made_them(served, client):

@@ -4,6 +4,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -39,7 +40,7 @@ def serve(tmp_path, monkeypatch):
 
 def local_url(backend) -> str:
     """The endpoint's root URL on 127.0.0.1 (also when it binds every address)."""
-    return f"http://127.0.0.1:{backend.server.port}"
+    return f"http://127.0.0.1:{urlsplit(backend.url).port}"
 
 
 def test_a_bind_off_loopback_without_a_token_is_refused_at_start_up(serve):

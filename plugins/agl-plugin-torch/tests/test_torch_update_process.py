@@ -23,7 +23,7 @@ from agl_core.builtin.estimators import vanilla_policy_loss
 from agl_plugin_torch.backend import create
 from agl_plugin_torch.settings import TorchConfig
 from agl_plugin_torch.testing import algorithm, sampled_rows, tiny_section
-from agl_plugin_torch.update_process import UpdateProcessError
+from agl_plugin_torch.worker_process import WorkerProcessError
 
 
 def made(tmp_path, with_critic=False):
@@ -90,7 +90,7 @@ def test_an_error_in_the_process_is_raised_in_the_caller_and_the_process_serves_
     _, there = pair
     batch = rows_to_train(there)
     batch.pop("advantages")
-    with pytest.raises(UpdateProcessError, match=r"failed in 'update_actor'(.|\n)*advantages"):
+    with pytest.raises(WorkerProcessError, match=r"failed in 'update_actor'(.|\n)*advantages"):
         there.run("update_actor", batch, algorithm(), vanilla_policy_loss)
     assert there.run("old_logprobs", batch)[0].shape == batch["responses"].shape
 
@@ -101,14 +101,14 @@ def test_a_policy_loss_that_cannot_be_sent_is_named(pair):
     def local_loss(*args, **kwargs):  # a local function pickles by name, which the process cannot import
         return vanilla_policy_loss(*args, **kwargs)
 
-    with pytest.raises(UpdateProcessError, match=r"cannot send 'update_actor'.*local_loss.*module-level function"):
+    with pytest.raises(WorkerProcessError, match=r"cannot send 'update_actor'.*local_loss.*module-level function"):
         there.run("update_actor", rows_to_train(there), algorithm(), local_loss)
 
 
 def test_a_process_that_died_is_named(pair):
     _, there = pair
     os.kill(there.update_process.pid, signal.SIGKILL)  # it runs no more code: the call finds it dead
-    with pytest.raises(UpdateProcessError, match=r"died during 'old_logprobs' \(exit code -9\)"):
+    with pytest.raises(WorkerProcessError, match=r"died during 'old_logprobs' \(exit code -9\)"):
         there.run("old_logprobs", rows_to_train(there))
 
 
@@ -118,7 +118,7 @@ def test_a_process_that_cannot_start_says_so_at_the_first_call(tmp_path, monkeyp
     monkeypatch.setattr(backend, "optimizer_states", lambda: {"actor_optim": {"state": {}}})
     backend.train_in_a_process()
     try:
-        with pytest.raises(UpdateProcessError, match=r"failed in 'old_logprobs':\nwhile starting:(.|\n)*param_groups"):
+        with pytest.raises(WorkerProcessError, match=r"failed in 'old_logprobs':\nwhile starting:(.|\n)*param_groups"):
             backend.run("old_logprobs", rows_to_train(backend))
     finally:
         backend.stop_serving()

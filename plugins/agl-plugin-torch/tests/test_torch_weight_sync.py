@@ -1,11 +1,13 @@
 """The embedded backend's weight sync needs no pause at the gateway: it swaps between two generation batches.
 
-Real engine over a tiny llama served from a copy of the actor (asynchronous
-training's set-up); 16 threads keep asking it for samples while the trainer's
-side changes the actor's weights and syncs them, again and again. Every
-answer reports a version, and its log-probs are those of that version's
-weights: no answer mixes two versions, so the loop need not hold the
-gateway's calls around a sync (``SYNCS_BETWEEN_CALLS``).
+Real endpoint over a tiny llama served from a copy of the actor (asynchronous
+training's set-up), in the trainer's process and in a process of its own
+(weights, lock and version shared with it); 16 threads of the real openai
+client keep asking it for samples while the trainer's side changes the
+actor's weights and syncs them, again and again. Every answer reports a
+version, and its log-probs are those of that version's weights: no answer
+mixes two versions, so the loop need not hold the gateway's calls around a
+sync (``SYNCS_BETWEEN_CALLS``).
 """
 
 from __future__ import annotations
@@ -14,32 +16,39 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
+from openai import OpenAI
 
 from agl_plugin_torch.backend import create
-from agl_plugin_torch.sampling import SamplingParams
 from agl_plugin_torch.settings import TorchConfig
-from agl_plugin_torch.testing import full_forward_logprobs, prompt, tiny_section
+from agl_plugin_torch.testing import full_forward_logprobs, tiny_section
 
 SYNCS = 12
 CALLERS = 16
 
 
-def test_every_answer_is_made_by_the_one_version_it_reports_while_weights_sync_under_concurrent_calls(tmp_path):
-    backend = create(TorchConfig.model_validate(tiny_section(num_layers=2)), tmp_path / "run", seed=0,
-                     with_critic=False)
+@pytest.mark.parametrize("in_a_process", [False, True], ids=["in-process", "own-process"])
+def test_every_answer_is_made_by_the_one_version_it_reports_while_weights_sync_under_concurrent_calls(
+        tmp_path, in_a_process):
+    section = tiny_section(num_layers=2, serving={"process": in_a_process})
+    backend = create(TorchConfig.model_validate(section), tmp_path / "run", seed=0, with_critic=False)
     backend.serve_a_copy()
     backend.start_serving("policy")
-    prompts = [prompt(backend, text) for text in ("guess a number", "hello world", "a number , 3")]
+    texts = ("guess a number", "hello world", "a number , 3")
     weights = {0: {k: v.clone() for k, v in backend.actor.state_dict().items()}}
-    answers = []  # (prompt, Generated)
+    answers = []  # (prompt ids, token ids, log-probs, weight version)
     stop = threading.Event()
+    client = OpenAI(base_url=backend.url, api_key="unused", max_retries=0, timeout=30)
 
     def call(i: int) -> None:
         while not stop.is_set():
-            p = prompts[i % len(prompts)]
-            params = SamplingParams(max_tokens=6, ignore_eos=True, seed=i)
-            answers.append((p, backend.engine.submit([p], [params]).result(timeout=30)))
+            reply = client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": texts[i % len(texts)]}], max_tokens=6,
+                seed=i, extra_body={"ignore_eos": True})
+            choice = reply.choices[0]
+            answers.append((reply.model_extra["prompt_token_ids"], choice.model_extra["token_ids"],
+                            [entry.logprob for entry in choice.logprobs.content], reply.model_extra["weight_version"]))
 
     try:
         with ThreadPoolExecutor(CALLERS) as pool:
@@ -60,17 +69,16 @@ def test_every_answer_is_made_by_the_one_version_it_reports_while_weights_sync_u
     finally:
         backend.stop_serving()
 
-    versions = {generated.weight_version for _, generated in answers}
+    versions = {version for *_, version in answers}
     assert len(versions) > SYNCS // 2, versions  # calls ran across many syncs
-    for p, generated in answers:
-        [sample] = generated.samples
-        backend.actor.load_state_dict(weights[generated.weight_version])
-        torch.testing.assert_close(full_forward_logprobs(backend, p, sample.token_ids), sample.logprobs,
+    for prompt_ids, token_ids, logprobs, version in answers:
+        backend.actor.load_state_dict(weights[version])
+        torch.testing.assert_close(full_forward_logprobs(backend, prompt_ids, token_ids), logprobs,
                                    rtol=0, atol=1e-4)  # batching noise
         # ... and not those of the versions before or after it: the check can tell versions apart.
-        for other in (generated.weight_version - 1, generated.weight_version + 1):
+        for other in (version - 1, version + 1):
             if other in weights:
                 backend.actor.load_state_dict(weights[other])
-                gap = max(abs(a - b) for a, b in zip(full_forward_logprobs(backend, p, sample.token_ids),
-                                                     sample.logprobs))
+                gap = max(abs(a - b) for a, b in zip(full_forward_logprobs(backend, prompt_ids, token_ids),
+                                                     logprobs))
                 assert gap > 1e-2
