@@ -14,7 +14,7 @@ update (or an asynchronous run's weight sync) in the trainer's process is
 what the next batch there generates with, and every answer is made by one
 version of the weights, the one it reports.
 
-:func:`serve_model` makes the endpoint; :func:`start` runs it in a spawned
+:func:`serve_model` makes the endpoint; :func:`start` runs it in a
 process and returns a :class:`RemoteEndpoint`, which the backend uses as it
 would the :class:`Endpoint` itself.
 """
@@ -28,6 +28,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from agl_core.config import ConfigError
+from agl_core.http_rules import policy_token
 from agl_core.http_server import ServerThread
 
 from agl_plugin_torch.engine import Engine
@@ -105,7 +106,7 @@ class RemoteEndpoint:
 def start(model: torch.nn.Module, lock: Any, version: Any, tokenizer: PreTrainedTokenizerBase,
           eos_token_ids: Sequence[int], config: TorchConfig, model_name: str,
           generator_state: torch.Tensor) -> RemoteEndpoint:
-    """Serve ``model`` (its tensors in shared memory) from a spawned process; returns once it listens.
+    """Serve ``model`` (its tensors in shared memory) from a process of its own; returns once it listens.
 
     ``lock`` (a lock of :data:`~agl_plugin_torch.worker_process.CONTEXT`)
     guards the weights in both processes; ``version`` (a shared integer) is
@@ -114,6 +115,10 @@ def start(model: torch.nn.Module, lock: Any, version: Any, tokenizer: PreTrained
     server refuses (a port in use, no token off loopback) is raised here as
     the server raised it.
     """
+    # The token is read from the environment here: the process is forked from a fork server started earlier,
+    # whose environment may be older than this process's.
+    serving = config.serving.model_copy(update={"token": policy_token(config.serving.token)})
+    config = config.model_copy(update={"serving": serving})
     process = WorkerProcess("the torch policy endpoint's process", "agl-torch-serving", build, model, lock, version,
                             tokenizer, list(eos_token_ids), config, model_name, generator_state)
     try:

@@ -96,7 +96,7 @@ class ServingConfig(_Section):
     default_max_tokens: int = Field(256, ge=1, description="response limit of a request that sets none")
     process: bool = Field(True, description="on a CPU, serve from a process of its own (over the same weights in "
                           "shared memory), so that generation does not wait for the trainer's interpreter lock, "
-                          "which the rollout plane's threads hold; the process is spawned, so a script that trains "
+                          "which the rollout plane's threads hold; the process is started by multiprocessing, so a script that trains "
                           "must guard its entry point with `if __name__ == '__main__'`")
 
 
@@ -113,7 +113,7 @@ class TorchConfig(_Section):
     update_process: bool = Field(True, description="in asynchronous training on a CPU, compute log-probs and "
                                  "update in a process of their own (over the same weights in shared memory), so "
                                  "the update does not take turns with the rollout plane on the trainer's "
-                                 "interpreter lock; the process is spawned, so a script that trains must guard "
+                                 "interpreter lock; the process is started by multiprocessing, so a script that trains must guard "
                                  "its entry point with `if __name__ == '__main__'`)")
     update_process_nice: int = Field(10, ge=0, le=19, description="how much lower the update process's "
                                      "scheduling priority is (POSIX nice): the rollout plane, whose waits lengthen "

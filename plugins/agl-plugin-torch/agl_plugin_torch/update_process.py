@@ -4,7 +4,7 @@ In the trainer's process the update's Python (the glue around a small
 model's kernels) shares the interpreter lock with the rollout plane's (agents,
 gateway, store, policy server): overlapping them, as asynchronous training
 means to, only takes turns on that lock (docs/async-figures.md). Here the
-log-prob passes and the updates run in a spawned process, on the very same
+log-prob passes and the updates run in a process of their own, on the very same
 weights: the actor's and the critic's tensors are moved to shared memory
 before the process starts, so the optimizer's in-place steps are what the
 trainer's process reads when it syncs the serving copy or saves a checkpoint.

@@ -1,4 +1,4 @@
-"""A spawned process that holds one object and runs its methods by name: the backend's update and serving processes.
+"""A process of its own that holds one object and runs its methods by name: the backend's update and serving processes.
 
 On a CPU the trainer's process shares one interpreter lock between the
 rollout plane's Python (agents, gateway, store) and whatever else runs there;
@@ -33,8 +33,12 @@ import torch.multiprocessing
 
 JOIN_S = 10.0
 
-CONTEXT = torch.multiprocessing.get_context("spawn")
-"""Processes are spawned (a fork would copy the trainer's threads' locks in whatever state they are)."""
+CONTEXT = torch.multiprocessing.get_context("forkserver")
+"""Processes are forked from a fork server: a fresh single-threaded process that imports torch, transformers and
+the backend once, when the first process starts. A fork of the trainer's process would copy its threads' locks in
+whatever state they are; a spawned process would import all of it again, seconds on a small CPU, at every start
+(a test session starts hundreds)."""
+CONTEXT.set_forkserver_preload(["torch", "transformers", "agl_plugin_torch.backend"])
 
 
 class WorkerProcessError(RuntimeError):
@@ -42,7 +46,7 @@ class WorkerProcessError(RuntimeError):
 
 
 class WorkerProcess:
-    """A spawned process running ``build(*args)``'s object.
+    """A process of its own running ``build(*args)``'s object.
 
     ``what`` names it in errors ("the torch update process"); ``send_hint``
     follows the error of an argument that cannot be sent to it.
