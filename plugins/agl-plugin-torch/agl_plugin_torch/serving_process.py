@@ -28,7 +28,6 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from agl_core.config import ConfigError
-from agl_core.http_rules import policy_token
 from agl_core.http_server import ServerThread
 
 from agl_plugin_torch.engine import Engine
@@ -115,10 +114,6 @@ def start(model: torch.nn.Module, lock: Any, version: Any, tokenizer: PreTrained
     server refuses (a port in use, no token off loopback) is raised here as
     the server raised it.
     """
-    # The token is read from the environment here: the process is forked from a fork server started earlier,
-    # whose environment may be older than this process's.
-    serving = config.serving.model_copy(update={"token": policy_token(config.serving.token)})
-    config = config.model_copy(update={"serving": serving})
     process = WorkerProcess("the torch policy endpoint's process", "agl-torch-serving", build, model, lock, version,
                             tokenizer, list(eos_token_ids), config, model_name, generator_state)
     try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import logging.handlers
+import os
 import pickle
 import signal
 import traceback
@@ -58,7 +59,8 @@ class WorkerProcess:
         logs = CONTEXT.Queue()
         self._logs = logging.handlers.QueueListener(logs, _ToOwnLogger())
         self._logs.start()
-        self._process = CONTEXT.Process(target=serve, args=(child, logs, logging.getLogger().level, build, args),
+        self._process = CONTEXT.Process(target=serve, args=(child, dict(os.environ), logs,
+                                                            logging.getLogger().level, build, args),
                                         name=name, daemon=True)
         self._process.start()
         child.close()
@@ -135,8 +137,13 @@ class StartError(Exception):
     """Raised by a ``build`` for a reason the trainer reports as is (a bad setting): sent back as the exception."""
 
 
-def serve(conn: Connection, logs: Any, log_level: int, build: Callable[..., tuple[Any, Any]], args: tuple) -> None:
+def serve(conn: Connection, environ: dict[str, str], logs: Any, log_level: int, build: Callable[..., tuple[Any, Any]],
+          args: tuple) -> None:
     """The process: build the object, report, then answer calls until told to stop or orphaned."""
+    # A fork of the fork server inherits its environment, which may be older than the trainer's (a spawned
+    # process would get the trainer's): settings read from the environment ($AGL_POLICY_TOKEN, …) are the trainer's.
+    os.environ.clear()
+    os.environ.update(environ)
     # Ctrl-C in a terminal signals the whole process group: the trainer's process stops the run between
     # steps (agl_core.stop) and then this process, which must serve until then.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
