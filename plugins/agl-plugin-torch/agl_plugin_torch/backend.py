@@ -26,11 +26,10 @@ from agl_core.data import Batch
 from agl_plugin_torch import modeling, serving_process, training, update_process
 from agl_plugin_torch.forward import response_logprobs, response_values
 from agl_plugin_torch.serving_process import Endpoint, RemoteEndpoint
-from agl_plugin_torch.settings import TorchConfig
+from agl_plugin_torch.settings import NAME, TorchConfig
 from agl_plugin_torch.training import PolicyLoss, make_optimizer
 from agl_plugin_torch.worker_process import CONTEXT, WorkerProcess
 
-NAME = "torch"
 STATE_FILE = "torch_state.pt"
 ACTOR_DIR = "actor"
 

@@ -68,7 +68,7 @@ def model_config(build: BuildConfig, tokenizer: PreTrainedTokenizerBase):
 
 def device_and_dtype(config: ModelConfig) -> tuple[torch.device, torch.dtype]:
     """The device and weights dtype the recipe asks for, ``auto`` resolved on this machine."""
-    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    use_cuda = config.on_cuda()
     device = torch.device("cuda" if use_cuda else "cpu")
     if config.dtype != "auto":
         return device, getattr(torch, config.dtype)

@@ -7,6 +7,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+NAME = "torch"
+"""The plugin's name: its recipe section ``plugins.torch`` and its key in ``ctx.state``."""
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -41,6 +44,12 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weights dtype; auto: bfloat16 on a GPU that supports it, float32 otherwise")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
+
+    def on_cuda(self) -> bool:
+        """Whether the model goes to a GPU: ``device: cuda``, or ``auto`` on a machine that has one."""
+        import torch  # here: reading a recipe (``agl plugins``, ``agl check``) needs no torch
+
+        return self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
 
     @field_validator("path")
     @classmethod
@@ -119,3 +128,8 @@ class TorchConfig(_Section):
                                      "scheduling priority is (POSIX nice): the rollout plane, whose waits lengthen "
                                      "every step, gets the cores first, and the update, hidden behind generation, "
                                      "takes the idle ones; 0 keeps the trainer's priority")
+
+    def starts_processes(self, asynchronous: bool) -> bool:
+        """Whether a run starts worker processes: on a CPU, the serving process and an asynchronous run's update
+        process."""
+        return not self.model.on_cuda() and (self.serving.process or (asynchronous and self.update_process))

@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +27,8 @@ from agl_plugin_torch.backend import STATE_FILE, create
 from agl_plugin_torch.serving_process import RemoteEndpoint
 from agl_plugin_torch.settings import TorchConfig
 from agl_plugin_torch.testing import full_forward_logprobs, tiny_section
+
+REPO = Path(__file__).resolve().parents[3]
 
 MESSAGES = [{"role": "user", "content": "guess a number"}]
 
@@ -96,3 +99,34 @@ def test_what_the_process_logs_reaches_the_trainers_loggers(served, caplog):
             assert time.monotonic() < deadline, "the process's log record never arrived"
             time.sleep(0.05)
     assert records[0].name.startswith("agl_plugin_torch") and records[0].levelno == logging.WARNING
+
+
+@pytest.mark.parametrize("section, asynchronous, starts", [
+    ({}, False, True),  # the serving process
+    ({"serving": {"process": False}}, False, False),
+    ({"serving": {"process": False}}, True, True),  # the update process
+    ({"serving": {"process": False}, "update_process": False}, True, False),
+    ({"model": {"device": "cuda"}}, True, False),  # on a GPU both stay in the trainer's process
+])
+def test_a_run_starts_worker_processes_where_it_forks_them(section, asynchronous, starts):
+    config = tiny_section()
+    for key, value in section.items():
+        config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value  # merged, not replaced
+    assert TorchConfig.model_validate(config).starts_processes(asynchronous) is starts
+
+
+def test_the_fork_server_starts_before_the_backend_makes_its_model(tmp_path, monkeypatch):
+    """Its imports then overlap the model's making (the endpoint serves ~2 s sooner on 2 cores)."""
+    from agl_core.cli import main
+    from agl_plugin_torch import backend, worker_process
+
+    events = []
+    start_fork_server, make = worker_process.start_fork_server, backend.create
+    monkeypatch.setattr(worker_process, "start_fork_server",
+                        lambda: (events.append("fork server"), start_fork_server())[1])
+    monkeypatch.setattr(backend, "create", lambda *args, **kwargs: (events.append("create"), make(*args, **kwargs))[1])
+    monkeypatch.chdir(REPO)
+    code = main(["train", str(REPO / "examples" / "guess_number" / "recipe.yaml"), f"trainer.run_dir={tmp_path}",
+                 "trainer.total_steps=1", "trainer.test_freq=0", "trainer.val_before_train=false",
+                 "trainer.progress=false", "rollout.n=2", "algorithm.ppo_mini_batch_size=8"])
+    assert code == 0 and events == ["fork server", "create"]
