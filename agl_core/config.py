@@ -24,7 +24,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from agl_core.http_rules import MIN_TEMPERATURE
+from agl_core.http_rules import temperature_problem
 from agl_core.plugins import HOOK_KINDS, RESERVED_NAMES, PluginError, PluginSet, did_you_mean, parse_plugin_flags
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -147,8 +147,8 @@ class SamplingConfig(Section):
     @field_validator("temperature")
     @classmethod
     def _greedy_or_not_overflowing(cls, value: float | None) -> float | None:
-        if value is not None and 0 < value < MIN_TEMPERATURE:
-            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
+        if value is not None and (problem := temperature_problem(value)) is not None:
+            raise ValueError(problem)
         return value
 
 

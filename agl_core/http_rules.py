@@ -188,9 +188,16 @@ def number(name: str, value: Any, *, low: float | None = None, high: float | Non
     return value
 
 
-MIN_TEMPERATURE = 1e-2
-"""Temperatures in (0, 1e-2) are refused, in a request and in a recipe's sampling: logits divided by them
-overflow. 0 asks for greedy decoding."""
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-2, 100.0
+"""The temperatures a request or a recipe's sampling may ask for, besides 0 (greedy decoding): logits divided by
+a smaller one overflow."""
+
+
+def temperature_problem(value: float) -> str | None:
+    """What is wrong with a sampling temperature, or None; one rule for requests and recipes."""
+    if value == 0 or MIN_TEMPERATURE <= value <= MAX_TEMPERATURE:
+        return None
+    return f"must be 0 (greedy) or from {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}"
 
 _NUMBERS: dict[str, dict[str, Any]] = {
     "top_p": {"low": 0.0, "high": 1.0, "low_open": True},
@@ -215,10 +222,9 @@ def check_sampling(body: dict[str, Any], *, max_n: int, logprobs_key: str | None
         if get(key) is not None:
             integer(key, get(key), low=1, high=INT64_MAX)
     if get("temperature") is not None:
-        temperature = number("temperature", get("temperature"), low=0.0, high=100.0)
-        if 0 < temperature < MIN_TEMPERATURE:
-            raise RequestError(400, f"'temperature' must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
-                                    f"got {temperature!r}")
+        temperature = number("temperature", get("temperature"), low=0.0, high=MAX_TEMPERATURE)
+        if (problem := temperature_problem(temperature)) is not None:
+            raise RequestError(400, f"'temperature' {problem}, got {temperature!r}")
     for key, bounds in _NUMBERS.items():
         if get(key) is not None:
             number(key, get(key), **bounds)

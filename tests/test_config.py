@@ -58,9 +58,12 @@ def test_wrong_type_and_bad_choice_name_key_and_allowed_values():
 
 
 def test_a_temperature_that_would_overflow_the_logits_is_refused_and_greedy_is_not():
-    with pytest.raises(ConfigError, match=r"rollout.sampling.temperature: must be 0 \(greedy\) or at least 0.01 "
+    with pytest.raises(ConfigError, match=r"rollout.sampling.temperature: must be 0 \(greedy\) or from 0.01 to 100 "
                                           r"\(got 0.005\)"):
         validate_recipe({"rollout": {"sampling": {"temperature": 0.005}}})
+    # The recipe's bounds are the request's: a larger one would fail every call the gateway adds it to.
+    with pytest.raises(ConfigError, match=r"rollout.sampling.temperature: must be 0 \(greedy\) or from 0.01 to 100"):
+        validate_recipe({"rollout": {"sampling": {"temperature": 150}}})
     assert validate_recipe({"rollout": {"sampling": {"temperature": 0}}}).rollout.sampling.temperature == 0
 
 
