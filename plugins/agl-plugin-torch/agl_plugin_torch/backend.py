@@ -93,7 +93,7 @@ class Backend:
             return
         model, lock = (self.actor, self.lock) if self.serving is None else (self.serving, self.serving_lock)
         eos = eos_token_ids(self.actor, self.tokenizer)
-        if self.config.serving.process and _device(model).type == "cpu":
+        if self.config.serves_in_a_process():
             model.share_memory()
             self.endpoint = serving_process.start(model, lock, self.served, self.tokenizer, eos, self.config,
                                                   model_name, self.generator.get_state())

@@ -92,7 +92,7 @@ class TorchBackend:
             backend.serve_a_copy()
             ctx.state[WEIGHT_SYNC] = backend.sync_weights
             ctx.state[SYNCS_BETWEEN_CALLS] = True  # under the engine's lock, which a generation batch holds
-            if backend.config.update_process and backend.actor.device.type == "cpu":
+            if backend.config.updates_in_a_process(asynchronous=True):
                 backend.train_in_a_process()
         backend.start_serving(ctx.config.rollout.model)
         n_params = sum(p.numel() for p in backend.actor.parameters())

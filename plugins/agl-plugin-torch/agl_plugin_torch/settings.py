@@ -129,7 +129,14 @@ class TorchConfig(_Section):
                                      "every step, gets the cores first, and the update, hidden behind generation, "
                                      "takes the idle ones; 0 keeps the trainer's priority")
 
+    def serves_in_a_process(self) -> bool:
+        """Whether the policy endpoint serves from a process of its own (``serving.process``, on a CPU)."""
+        return self.serving.process and not self.model.on_cuda()
+
+    def updates_in_a_process(self, asynchronous: bool) -> bool:
+        """Whether the training methods run in a process of their own (``update_process``, asynchronous, on a CPU)."""
+        return asynchronous and self.update_process and not self.model.on_cuda()
+
     def starts_processes(self, asynchronous: bool) -> bool:
-        """Whether a run starts worker processes: on a CPU, the serving process and an asynchronous run's update
-        process."""
-        return not self.model.on_cuda() and (self.serving.process or (asynchronous and self.update_process))
+        """Whether a run starts worker processes: the serving process or the update process."""
+        return self.serves_in_a_process() or self.updates_in_a_process(asynchronous)
