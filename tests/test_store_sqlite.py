@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -108,6 +109,59 @@ def test_two_processes_dequeue_each_rollout_exactly_once(tmp_path):
             proc.communicate(timeout=10)
     assert sorted(taken) == sorted(f"r{i}" for i in range(40))
     assert store.wait([f"r{i}" for i in range(40)], timeout_s=1) == {f"r{i}" for i in range(40)}
+    store.close()
+
+
+def test_the_writers_of_one_process_take_turns_without_sqlites_busy_wait(tmp_path):
+    """32 threads queue, lease, write spans and finish at once with no busy timeout at all: a writer that found
+    SQLite's write lock taken would fail at once ("database is locked"); it waits for its turn instead."""
+    store = SqliteStore(tmp_path / "r.sqlite", busy_timeout_s=0)
+    errors = []
+
+    def play(worker: int) -> None:
+        try:
+            for i in range(10):
+                rollout_id = f"w{worker}-{i}"
+                store.enqueue([NewRollout(rollout_id, Task(id="t", input={}))])
+                attempt = store.dequeue(f"w{worker}", 30)
+                store.add_spans([Span(rollout_id=attempt.rollout_id, attempt_id=attempt.attempt_id,
+                                      sequence_id=store.next_sequence_id(attempt.rollout_id), kind="reward",
+                                      reward=1.0)])
+                store.heartbeat(attempt.rollout_id, attempt.attempt_id, 30)
+                store.finish(attempt.rollout_id, attempt.attempt_id, "succeeded", 1.0)
+        except Exception as exc:  # noqa: BLE001 - reported below, with the thread's
+            errors.append(f"worker {worker}: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=play, args=(w,)) for w in range(32)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    ids = [f"w{w}-{i}" for w in range(32) for i in range(10)]
+    rollouts = store.get_rollouts(ids)
+    assert len(rollouts) == 320 and all(r.status == "succeeded" and len(r.spans) == 1 for r in rollouts)
+    store.close()
+
+
+def test_a_write_refused_or_failed_lets_the_next_one_in(tmp_path):
+    """Another process holding the write lock past the busy timeout, or a write that fails, ends that write with
+    its error and leaves the process's turn free: the next write goes through."""
+    path = tmp_path / "r.sqlite"
+    store = SqliteStore(path, busy_timeout_s=0.05)
+    store.enqueue([NewRollout("a", Task(id="t", input={}))])
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as other:
+        other.execute("BEGIN IMMEDIATE")  # another process writing
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            store.enqueue([NewRollout("b", Task(id="t", input={}))])
+        other.execute("ROLLBACK")
+    with pytest.raises(ValueError, match="already in the store"):
+        store.enqueue([NewRollout("a", Task(id="t", input={}))])
+    writer = threading.Thread(target=store.enqueue, args=([NewRollout("c", Task(id="t", input={}))],))
+    writer.start()
+    writer.join(10)
+    assert not writer.is_alive()
+    assert [r.rollout_id for r in store.query()] == ["a", "c"]
     store.close()
 
 

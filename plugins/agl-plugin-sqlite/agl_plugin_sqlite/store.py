@@ -125,6 +125,10 @@ class SqliteStore:
         self._sequence: dict[str, int] = {}
         self._reserved: dict[str, int] = {}
         self._sequence_lock = threading.Lock()
+        # This process's writers take turns here before asking SQLite for the write lock. SQLite's busy handler
+        # sleeps and retries (up to 100 ms a try) and hands the lock to whoever asks at the right moment, so among
+        # the 32 threads of a runner one writer could wait seconds while the others kept taking it.
+        self._write_lock = threading.Lock()
         self._closed = False
         try:
             self._open()
@@ -151,7 +155,7 @@ class SqliteStore:
         if self.path.exists() and self.path.stat().st_size > 0:  # SQLite takes an empty file for a new database
             _check_file(self.path)
         conn = self._connection()
-        _drop_duplicate_spans(conn)
+        _drop_duplicate_spans(conn, self._write_lock)
         conn.executescript(SCHEMA)
         # The write lock, taken and let go: a file or directory this process may not write fails here.
         conn.execute("BEGIN IMMEDIATE")
@@ -187,7 +191,7 @@ class SqliteStore:
         return conn
 
     def _transaction(self):
-        return _Immediate(self._connection())
+        return _Immediate(self._connection(), self._write_lock)
 
     # ------------------------------------------------------------ queue and attempts
 
@@ -353,7 +357,7 @@ class SqliteStore:
 
     def _insert_spans(self, spans: Sequence[Span], connection: sqlite3.Connection) -> None:
         """One transaction on ``connection``; a span already there is kept."""
-        with _Immediate(connection) as conn:
+        with _Immediate(connection, self._write_lock) as conn:
             conn.executemany("INSERT OR IGNORE INTO spans (rollout_id, attempt_id, sequence_id, kind, span) "
                              "VALUES (?, ?, ?, ?, ?)",
                              [(s.rollout_id, s.attempt_id, s.sequence_id, s.kind, s.model_dump_json()) for s in spans])
@@ -470,11 +474,11 @@ def _front(conn: sqlite3.Connection, n: int, now: float) -> float:
     return (conn.execute("SELECT MIN(priority) FROM rollouts").fetchone()[0] or now) - n
 
 
-def _drop_duplicate_spans(conn: sqlite3.Connection) -> None:
+def _drop_duplicate_spans(conn: sqlite3.Connection, lock: threading.Lock) -> None:
     """Ready a file made before spans were unique for its unique index: keep the first of each key."""
     tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
     if "spans" in tables and "spans_once" not in tables:
-        with _Immediate(conn):
+        with _Immediate(conn, lock):
             conn.execute("DELETE FROM spans WHERE rowid NOT IN "
                          "(SELECT MIN(rowid) FROM spans GROUP BY rollout_id, attempt_id, sequence_id)")
             conn.execute("DROP INDEX IF EXISTS spans_by_rollout")  # the unique index replaces it
@@ -521,14 +525,23 @@ def _rollout(row: tuple, spans: list[Span]) -> Rollout:
 
 
 class _Immediate:
-    """``with _Immediate(conn) as conn:`` a write transaction, taken at once (BEGIN IMMEDIATE), committed at exit."""
+    """``with _Immediate(conn, lock) as conn:`` a write transaction, taken at once (BEGIN IMMEDIATE) while holding
+    ``lock`` (the process's writers' turn), committed at exit."""
 
-    def __init__(self, conn: sqlite3.Connection):
-        self.conn = conn
+    def __init__(self, conn: sqlite3.Connection, lock: threading.Lock):
+        self.conn, self.lock = conn, lock
 
     def __enter__(self) -> sqlite3.Connection:
-        self.conn.execute("BEGIN IMMEDIATE")
+        self.lock.acquire()
+        try:
+            self.conn.execute("BEGIN IMMEDIATE")
+        except BaseException:
+            self.lock.release()
+            raise
         return self.conn
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.conn.execute("COMMIT" if exc_type is None else "ROLLBACK")
+        try:
+            self.conn.execute("COMMIT" if exc_type is None else "ROLLBACK")
+        finally:
+            self.lock.release()
