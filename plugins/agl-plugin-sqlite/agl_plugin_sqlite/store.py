@@ -193,6 +193,15 @@ class SqliteStore:
     def _transaction(self):
         return _Immediate(self._connection(), self._write_lock)
 
+    def _write(self, sql: str, parameters: Sequence) -> list[tuple]:
+        """One statement as its own transaction, in this process's writers' turn; the rows it returns.
+
+        Each call into SQLite gives up the interpreter lock and waits to take
+        it back, so a single statement holds the turn for one such wait where
+        BEGIN, the statement and COMMIT would hold it for three."""
+        with self._write_lock:
+            return self._connection().execute(sql, parameters).fetchall()
+
     # ------------------------------------------------------------ queue and attempts
 
     def enqueue(self, rollouts: Sequence[NewRollout]) -> None:
@@ -235,38 +244,33 @@ class SqliteStore:
             # An idle worker polls: look without the write lock, take it only when there is work.
             if self._connection().execute("SELECT 1 FROM rollouts WHERE status = ? LIMIT 1",
                                           (QUEUING,)).fetchone() is not None:
-                with self._transaction() as conn:
-                    row = conn.execute("SELECT rollout_id, task, sample_index, metadata, attempts FROM rollouts "
-                                       "WHERE status = ? ORDER BY priority LIMIT 1", (QUEUING,)).fetchone()
-                    if row is not None:
-                        rollout_id, task, sample_index, metadata, attempts = row
-                        now = time.time()
-                        conn.execute("UPDATE rollouts SET status = ?, attempts = ?, worker_id = ?, "
-                                     "lease_expires = ?, start_time = ? WHERE rollout_id = ?",
-                                     (RUNNING, attempts + 1, worker_id, now + lease_s, now, rollout_id))
+                now = time.time()
+                taken = self._write("UPDATE rollouts SET status = ?, attempts = attempts + 1, worker_id = ?, "
+                                    "lease_expires = ?, start_time = ? WHERE rollout_id = (SELECT rollout_id "
+                                    "FROM rollouts WHERE status = ? ORDER BY priority LIMIT 1) "
+                                    "RETURNING rollout_id, task, sample_index, metadata, attempts",
+                                    (RUNNING, worker_id, now + lease_s, now, QUEUING))
+                row = taken[0] if taken else None
             if row is not None:
-                return Attempt(rollout_id, str(attempts + 1), Task.model_validate_json(task), sample_index,
+                rollout_id, task, sample_index, metadata, attempts = row
+                return Attempt(rollout_id, str(attempts), Task.model_validate_json(task), sample_index,
                                json.loads(metadata))
             if not self._wait_for_change(deadline):
                 return None
 
     def heartbeat(self, rollout_id: str, attempt_id: str, lease_s: float) -> bool:
-        with self._transaction() as conn:
-            cursor = conn.execute("UPDATE rollouts SET lease_expires = ? WHERE rollout_id = ? AND status = ? "
-                                  "AND attempts = ?", (time.time() + lease_s, rollout_id, RUNNING,
-                                                       _number(attempt_id)))
-            return cursor.rowcount == 1
+        return bool(self._write("UPDATE rollouts SET lease_expires = ? WHERE rollout_id = ? AND status = ? "
+                                "AND attempts = ? RETURNING 1", (time.time() + lease_s, rollout_id, RUNNING,
+                                                                 _number(attempt_id))))
 
     def finish(self, rollout_id: str, attempt_id: str, status: str,
                final_reward: float | None = None, error: str | None = None) -> bool:
         if status not in TERMINAL:
             raise ValueError(f"finish needs a terminal status ({', '.join(sorted(TERMINAL))}), got {status!r}")
-        with self._transaction() as conn:
-            cursor = conn.execute("UPDATE rollouts SET status = ?, final_reward = ?, error = ?, end_time = ? "
-                                  "WHERE rollout_id = ? AND status = ? AND attempts = ?",
-                                  (status, final_reward, error, time.time(), rollout_id, RUNNING,
-                                   _number(attempt_id)))
-            done = cursor.rowcount == 1
+        done = bool(self._write("UPDATE rollouts SET status = ?, final_reward = ?, error = ?, end_time = ? "
+                                "WHERE rollout_id = ? AND status = ? AND attempts = ? RETURNING 1",
+                                (status, final_reward, error, time.time(), rollout_id, RUNNING,
+                                 _number(attempt_id))))
         self._notify()
         return done
 
