@@ -309,6 +309,13 @@ def test_a_damaged_page_that_sqlite_opens_is_found_by_the_quick_check(tmp_path):
         SqliteStore(path)
 
 
+def test_an_sqlite_too_old_for_the_store_is_refused_naming_the_version(tmp_path, monkeypatch):
+    monkeypatch.setattr(sqlite3, "sqlite_version_info", (3, 34, 1))
+    monkeypatch.setattr(sqlite3, "sqlite_version", "3.34.1")
+    with pytest.raises(ValueError, match=r"r.sqlite cannot be used: this Python's SQLite is 3.34.1; .* 3.35 or newer"):
+        SqliteStore(tmp_path / "r.sqlite")
+
+
 def test_an_empty_file_is_a_new_store(tmp_path):
     path = tmp_path / "rollouts.sqlite"
     path.touch()

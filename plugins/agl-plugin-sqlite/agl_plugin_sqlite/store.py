@@ -77,6 +77,8 @@ CREATE TABLE IF NOT EXISTS sequence_reserved (
 
 _COLUMNS = ("rollout_id, task, sample_index, metadata, status, attempts, final_reward, error, "
             "start_time, end_time")
+MIN_SQLITE = (3, 35)
+"""The oldest SQLite the store runs on: a lease, a renewal and an end are each one ``UPDATE ... RETURNING``."""
 POLL_S = 0.05
 """How often a waiting caller looks at the file for changes made by other processes (this
 process's own changes wake it at once)."""
@@ -145,6 +147,9 @@ class SqliteStore:
 
     def _open(self) -> None:
         """Create the file and its tables, or check the existing file's; raises what it finds wrong."""
+        if sqlite3.sqlite_version_info < MIN_SQLITE:
+            raise ValueError(f"this Python's SQLite is {sqlite3.sqlite_version}; the store needs "
+                             f"{'.'.join(map(str, MIN_SQLITE))} or newer (UPDATE ... RETURNING)")
         if self.path.is_dir():
             raise ValueError("it is a directory")
         try:
