@@ -1,7 +1,9 @@
 """The rollout store in one SQLite file (WAL mode), shared safely by every process that opens it.
 
-Queue and attempt changes are single transactions (``BEGIN IMMEDIATE``), so
-several processes may dequeue from the same file. Spans go through a bounded
+Queue and attempt changes are single transactions (``BEGIN IMMEDIATE``, or
+one statement), so several processes may dequeue from the same file. Within
+a process, writers take turns on a lock first (SQLite's own wait for its
+write lock is sleep-and-retry, unfair among many threads). Spans go through a bounded
 queue to one writer thread that inserts them in batches: under load a commit
 carries hundreds of spans, and when idle a span is committed at once. With
 ``synchronous=NORMAL`` in WAL mode a committed transaction survives the
