@@ -198,7 +198,7 @@ class SqliteStore:
         return conn
 
     def _transaction(self):
-        return _Immediate(self._connection(), self._write_lock)
+        return _immediate(self._connection(), self._write_lock)
 
     def _write(self, sql: str, parameters: Sequence) -> list[tuple]:
         """One statement as its own transaction, in this process's writers' turn; the rows it returns.
@@ -206,8 +206,9 @@ class SqliteStore:
         Each call into SQLite gives up the interpreter lock and waits to take
         it back, so a single statement holds the turn for one such wait where
         BEGIN, the statement and COMMIT would hold it for three."""
+        conn = self._connection()
         with self._write_lock:
-            return self._connection().execute(sql, parameters).fetchall()
+            return conn.execute(sql, parameters).fetchall()
 
     # ------------------------------------------------------------ queue and attempts
 
@@ -368,7 +369,7 @@ class SqliteStore:
 
     def _insert_spans(self, spans: Sequence[Span], connection: sqlite3.Connection) -> None:
         """One transaction on ``connection``; a span already there is kept."""
-        with _Immediate(connection, self._write_lock) as conn:
+        with _immediate(connection, self._write_lock) as conn:
             conn.executemany("INSERT OR IGNORE INTO spans (rollout_id, attempt_id, sequence_id, kind, span) "
                              "VALUES (?, ?, ?, ?, ?)",
                              [(s.rollout_id, s.attempt_id, s.sequence_id, s.kind, s.model_dump_json()) for s in spans])
@@ -489,7 +490,7 @@ def _drop_duplicate_spans(conn: sqlite3.Connection, lock: threading.Lock) -> Non
     """Ready a file made before spans were unique for its unique index: keep the first of each key."""
     tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
     if "spans" in tables and "spans_once" not in tables:
-        with _Immediate(conn, lock):
+        with _immediate(conn, lock):
             conn.execute("DELETE FROM spans WHERE rowid NOT IN "
                          "(SELECT MIN(rowid) FROM spans GROUP BY rollout_id, attempt_id, sequence_id)")
             conn.execute("DROP INDEX IF EXISTS spans_by_rollout")  # the unique index replaces it
@@ -535,24 +536,15 @@ def _rollout(row: tuple, spans: list[Span]) -> Rollout:
                    attempts=attempts, start_time=start_time, end_time=end_time)
 
 
-class _Immediate:
-    """``with _Immediate(conn, lock) as conn:`` a write transaction, taken at once (BEGIN IMMEDIATE) while holding
-    ``lock`` (the process's writers' turn), committed at exit."""
-
-    def __init__(self, conn: sqlite3.Connection, lock: threading.Lock):
-        self.conn, self.lock = conn, lock
-
-    def __enter__(self) -> sqlite3.Connection:
-        self.lock.acquire()
+@contextlib.contextmanager
+def _immediate(conn: sqlite3.Connection, lock: threading.Lock) -> Iterator[sqlite3.Connection]:
+    """``with _immediate(conn, lock) as conn:`` a write transaction, taken at once (BEGIN IMMEDIATE) in the turn
+    ``lock`` gives (the process's writers'), committed at exit, rolled back when the block raises."""
+    with lock:
+        conn.execute("BEGIN IMMEDIATE")
         try:
-            self.conn.execute("BEGIN IMMEDIATE")
+            yield conn
         except BaseException:
-            self.lock.release()
+            conn.execute("ROLLBACK")
             raise
-        return self.conn
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        try:
-            self.conn.execute("COMMIT" if exc_type is None else "ROLLBACK")
-        finally:
-            self.lock.release()
+        conn.execute("COMMIT")
