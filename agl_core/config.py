@@ -73,8 +73,9 @@ class PolicyLossConfig(Section):
 class RolloutCorrectionConfig(Section):
     """Importance weights between the policy that served the rollouts and the trainer's old policy (verl's names)."""
 
-    rollout_is: Literal["token"] | None = Field(None, description="token: truncated importance sampling (TIS), "
-                                                                  "a weight per response token; None: off")
+    rollout_is: Literal["token", "sequence"] | None = Field(
+        None, description="truncated importance sampling (TIS): token: a weight per response token; sequence: one "
+                          "per response (the product of its tokens' ratios); None: off")
     rollout_is_threshold: float = Field(2.0, gt=0, description="the cap of a TIS weight")
 
 

@@ -153,8 +153,9 @@ class Trainer:
         if "rollout_log_probs" not in batch:
             raise RuntimeError("algorithm.rollout_correction.rollout_is is set, but the batch has no "
                                "rollout_log_probs: the policy server returned no log-probs of its samples")
+        correction = self.ctx.config.algorithm.rollout_correction
         return tis_weights(batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
-                           self.ctx.config.algorithm.rollout_correction.rollout_is_threshold)
+                           correction.rollout_is_threshold, level=correction.rollout_is)
 
     def post_process(self, batch: Batch) -> Batch:
         """Run the ``post_process_batch`` pipeline stage by stage."""

@@ -41,6 +41,30 @@ def test_weights_equal_verls_token_tis(seed, cap):
     assert metrics["rollout_corr/tis_capped_share"] == pytest.approx((raw > cap).float().mean().item(), abs=1e-6)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("cap", [0.5, 2.0, 5.0])
+def test_weights_equal_verls_sequence_tis(seed, cap):
+    old, rollout, mask, _ = ragged(seed)
+    rollout[3] = old[3] - 0.01  # a response close to the trainer's: a weight under the cap
+    ours, metrics = tis_weights(old, rollout, mask, cap, level="sequence")
+    theirs, _ = verl_corr.compute_rollout_correction_weights(old - rollout, mask, rollout_is="sequence",
+                                                             rollout_is_threshold=cap)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+    assert not ours.requires_grad
+    # One weight per response, on each of its tokens; the metrics count responses.
+    raw = torch.exp(torch.clamp(((old - rollout) * mask).sum(-1), -20, 20))
+    expected = raw.clamp(max=cap)[:, None].expand_as(mask) * mask
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=0)
+    assert metrics["rollout_corr/tis_mean"] == pytest.approx(raw.mean().item(), rel=1e-5)
+    assert metrics["rollout_corr/tis_capped_share"] == pytest.approx((raw > cap).float().mean().item(), abs=1e-6)
+
+
+def test_an_unknown_level_is_refused_naming_the_key():
+    old, rollout, mask, _ = ragged(0)
+    with pytest.raises(ValueError, match="algorithm.rollout_correction.rollout_is"):
+        tis_weights(old, rollout, mask, 2.0, level="geometric")
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
 def test_weighted_ppo_loss_and_gradient_equal_verls(mode):
     old, rollout, mask, gen = ragged(7)

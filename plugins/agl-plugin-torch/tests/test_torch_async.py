@@ -220,8 +220,9 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_the_tis_correction_weights_the_update_and_reports_its_weights(tmp_path):
-    run(recipe_file(tmp_path), ASYNC + ["trainer.total_steps=2", "algorithm.rollout_correction.rollout_is=token",
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_the_tis_correction_weights_the_update_and_reports_its_weights(tmp_path, level):
+    run(recipe_file(tmp_path), ASYNC + ["trainer.total_steps=2", f"algorithm.rollout_correction.rollout_is={level}",
                                         "algorithm.rollout_correction.rollout_is_threshold=1.5"])
     step = logged(tmp_path / "run")[2]
     assert 0 < step["rollout_corr/tis_mean"] and step["rollout_corr/tis_max"] >= step["rollout_corr/tis_mean"]
