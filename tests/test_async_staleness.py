@@ -63,4 +63,6 @@ def test_the_recipe_switch_is_trainer_async_max_staleness():
     with pytest.raises(ConfigError, match=r"trainer\.async\.k: unknown key \(allowed keys: max_staleness"):
         validate_recipe({"trainer": {"async": {"k": 1}}})
     with pytest.raises(ConfigError, match=r"rollout_is"):
-        validate_recipe({"algorithm": {"rollout_correction": {"rollout_is": "sequence"}}})
+        validate_recipe({"algorithm": {"rollout_correction": {"rollout_is": "geometric"}}})
+    sequence = {"algorithm": {"rollout_correction": {"rollout_is": "sequence"}}}
+    assert validate_recipe(sequence).algorithm.rollout_correction.rollout_is == "sequence"
