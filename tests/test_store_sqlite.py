@@ -406,3 +406,27 @@ def test_get_rollouts_json_is_the_json_of_get_rollouts(tmp_path):
     assert [s.sequence_id for s in store.get_rollouts(["a"])[0].spans] == [0, 1, 2]
     assert store.get_rollouts_json([]) == b'{"rollouts":[]}'
     store.close()
+
+
+@pytest.mark.parametrize("keep_consumed", [True, False])
+def test_more_rollouts_than_one_statement_takes_are_read_in_the_order_asked_and_released(tmp_path, keep_consumed):
+    """Rollouts are read and released 500 to a statement (SQLite's parameter limit): 1,100 come back, each with
+    its own spans, and are all released."""
+    store = SqliteStore(tmp_path / "r.sqlite", keep_consumed=keep_consumed)
+    ids = [f"r{i:04d}" for i in range(1100)]
+    store.enqueue([NewRollout(rollout_id, Task(id="t", input={})) for rollout_id in ids])
+    for _ in ids:
+        attempt = store.dequeue("w", 30)
+        store.add_spans([Span(rollout_id=attempt.rollout_id, attempt_id=attempt.attempt_id, sequence_id=i,
+                              kind="llm_call", response_token_ids=[int(attempt.rollout_id[1:]), i])
+                         for i in range(2)])
+        store.finish(attempt.rollout_id, attempt.attempt_id, "succeeded", 1.0)
+    wanted = [*reversed(ids), "not-held", ids[7]]
+    rollouts = store.get_rollouts(wanted)
+    assert [r.rollout_id for r in rollouts] == [*reversed(ids), ids[7]]
+    for r in rollouts:
+        assert [s.response_token_ids for s in r.spans] == [[int(r.rollout_id[1:]), 0], [int(r.rollout_id[1:]), 1]]
+    store.release(ids)
+    assert store.query() == []
+    assert len(store.get_rollouts(ids)) == (len(ids) if keep_consumed else 0)
+    store.close()

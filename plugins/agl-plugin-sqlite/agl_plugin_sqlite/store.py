@@ -30,6 +30,7 @@ ValueError naming the path.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import json
@@ -389,9 +390,7 @@ class SqliteStore:
         while True:
             self.requeue_expired()
             done = set()
-            for start in range(0, len(wanted), 500):  # SQLite limits the parameters of one statement
-                chunk = wanted[start:start + 500]
-                marks = ",".join("?" * len(chunk))
+            for chunk, marks in _in_chunks(wanted):
                 rows = self._connection().execute(
                     f"SELECT rollout_id FROM rollouts WHERE rollout_id IN ({marks}) AND status IN (?, ?, ?)",
                     [*chunk, *sorted(TERMINAL)])
@@ -411,16 +410,28 @@ class SqliteStore:
         return b'{"rollouts":[' + b",".join(parts) + b"]}"
 
     def _rollout_rows(self, rollout_ids: Sequence[str]) -> Iterator[tuple[tuple, list[str]]]:
-        """Each held rollout's row and the JSON of its last attempt's spans, by sequence id."""
+        """Each held rollout's row and the JSON of its last attempt's spans, by sequence id, in the order asked.
+
+        Two statements for up to 500 rollouts, not two per rollout: each
+        statement lets the interpreter lock go, and taking it back among busy
+        agent threads waits up to a switch interval (a step's batch of 168
+        rollouts took ~0.2 s to read while the next batch played).
+        """
         self.flush()
         conn = self._connection()
+        rows: dict[str, tuple] = {}
+        spans: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
+        for chunk, marks in _in_chunks(list(dict.fromkeys(rollout_ids))):
+            rows.update((row[0], row) for row in conn.execute(
+                f"SELECT {_COLUMNS} FROM rollouts WHERE rollout_id IN ({marks})", chunk))
+            for rollout_id, attempt_id, text in conn.execute(
+                    f"SELECT rollout_id, attempt_id, span FROM spans WHERE rollout_id IN ({marks}) "
+                    f"ORDER BY rollout_id, attempt_id, sequence_id", chunk):
+                spans[rollout_id, attempt_id].append(text)
         for rollout_id in rollout_ids:
-            row = conn.execute(f"SELECT {_COLUMNS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)).fetchone()
+            row = rows.get(rollout_id)
             if row is not None:
-                attempt_id = str(row[5]) if row[5] else None
-                yield row, [text for (text,) in conn.execute(
-                    "SELECT span FROM spans WHERE rollout_id = ? AND attempt_id = ? ORDER BY sequence_id",
-                    (rollout_id, attempt_id))]
+                yield row, spans.get((rollout_id, str(row[5]) if row[5] else None), [])
 
     def query(self, statuses: Sequence[str] | None = None) -> list[Rollout]:
         sql = f"SELECT {_COLUMNS} FROM rollouts WHERE consumed = 0"
@@ -432,15 +443,17 @@ class SqliteStore:
 
     def release(self, rollout_ids: Sequence[str]) -> None:
         self.flush()
-        ids = [(rollout_id,) for rollout_id in rollout_ids]
+        # A statement per 500 rollouts, not per rollout: see _rollout_rows (a step's release took ~0.08 s).
+        chunks = list(_in_chunks(list(dict.fromkeys(rollout_ids))))
         with self._transaction() as conn:
-            if self.keep_consumed:
-                conn.executemany("UPDATE rollouts SET consumed = 1 WHERE rollout_id = ?", ids)
-            else:
-                conn.executemany("DELETE FROM spans WHERE rollout_id = ?", ids)
-                conn.executemany("DELETE FROM rollouts WHERE rollout_id = ?", ids)
-            if self.reserve_sequence_ids:  # a released rollout gets no more ids
-                conn.executemany("DELETE FROM sequence_reserved WHERE rollout_id = ?", ids)
+            for chunk, marks in chunks:
+                if self.keep_consumed:
+                    conn.execute(f"UPDATE rollouts SET consumed = 1 WHERE rollout_id IN ({marks})", chunk)
+                else:
+                    conn.execute(f"DELETE FROM spans WHERE rollout_id IN ({marks})", chunk)
+                    conn.execute(f"DELETE FROM rollouts WHERE rollout_id IN ({marks})", chunk)
+                if self.reserve_sequence_ids:  # a released rollout gets no more ids
+                    conn.execute(f"DELETE FROM sequence_reserved WHERE rollout_id IN ({marks})", chunk)
         with self._sequence_lock:
             for rollout_id in rollout_ids:
                 self._sequence.pop(rollout_id, None)
@@ -526,6 +539,13 @@ def _schema_columns() -> dict[str, list[str]]:
 
 def _number(attempt_id: str) -> int:
     return int(attempt_id) if attempt_id.isdigit() else -1
+
+
+def _in_chunks(ids: list[str]) -> Iterator[tuple[list[str], str]]:
+    """``ids`` in chunks of at most 500 (SQLite limits the parameters of one statement), each with its ``?,?,…``."""
+    for start in range(0, len(ids), 500):
+        chunk = ids[start:start + 500]
+        yield chunk, ",".join("?" * len(chunk))
 
 
 def _rollout(row: tuple, spans: list[Span]) -> Rollout:
