@@ -53,15 +53,12 @@ def tis_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, re
     log_ratio = old_log_probs - rollout_log_probs
     if level == "sequence":
         log_ratio = torch.where(response_mask.bool(), log_ratio, 0.0).sum(dim=-1, keepdim=True)
-    raw = torch.exp(torch.clamp(log_ratio, min=-SAFETY_BOUND, max=SAFETY_BOUND)).expand_as(response_mask)
-    raw = raw * response_mask
-    weights = raw.clamp(max=cap).detach()
-    # The units the metrics count: tokens, or responses (one weight each).
-    mask = response_mask.bool() if level == "token" else response_mask.bool().any(dim=-1)
-    per_unit = raw if level == "token" else raw.max(dim=-1).values
+    ratio = torch.exp(torch.clamp(log_ratio, min=-SAFETY_BOUND, max=SAFETY_BOUND))  # (B, T), or (B, 1) per response
+    weights = (ratio.expand_as(response_mask) * response_mask).clamp(max=cap).detach()
+    # The metrics count the weights before the cap: of the masked tokens, or of the responses with any.
+    units = ratio[response_mask.bool()] if level == "token" else ratio[response_mask.bool().any(dim=-1), 0]
     metrics: dict[str, float] = {}
-    if mask.any():
-        metrics = {"rollout_corr/tis_mean": per_unit[mask].mean().item(),
-                   "rollout_corr/tis_max": per_unit[mask].max().item(),
-                   "rollout_corr/tis_capped_share": (per_unit[mask] > cap).float().mean().item()}
+    if units.numel():
+        metrics = {"rollout_corr/tis_mean": units.mean().item(), "rollout_corr/tis_max": units.max().item(),
+                   "rollout_corr/tis_capped_share": (units > cap).float().mean().item()}
     return weights, metrics

@@ -240,10 +240,9 @@ class SqliteStore:
         self._notify()
 
     def _existing(self, rollout_ids: list[str]) -> list[str]:
-        marks = ",".join("?" * len(rollout_ids))
-        rows = self._connection().execute(f"SELECT rollout_id FROM rollouts WHERE rollout_id IN ({marks})",
-                                          rollout_ids)
-        return [row[0] for row in rows]
+        conn = self._connection()
+        return [row[0] for chunk, marks in _in_chunks(rollout_ids)
+                for row in conn.execute(f"SELECT rollout_id FROM rollouts WHERE rollout_id IN ({marks})", chunk)]
 
     def dequeue(self, worker_id: str, lease_s: float, wait_s: float = 0.0) -> Attempt | None:
         deadline = time.monotonic() + wait_s
