@@ -300,12 +300,27 @@ def print_components(components, plugins: PluginSet) -> None:
                 continue
             for name in offered_names(plugin, REGISTRATION_HOOKS[kind]):
                 rows.append((name, f"{plugin.name} (not active: -p {plugin.name})"))
-        for name, owner in sorted(rows) or [("(none)", "")]:
-            print(f"  {name:<32} {owner}")
+        print_rows(sorted(rows) or [("(none)", "")])
     print("\nloggers (log_metrics):")
     active = {name for name, _ in plugins.implementations("log_metrics")}
     for name in plugins.providers("log_metrics"):
         print(f"  {name}{'' if name in active else f' (not active: -p {name})'}")
+    print("\nwrappers (outermost first):")
+    wrapped = sorted({hook for plugin in plugins.plugins.values() for hook in plugin.wrappers})
+    rows = []
+    for hook in wrapped:
+        active_wrappers = plugins.wrappers_of(hook)
+        inactive = [f"{p.name} (not active: -p {p.name})" for p in plugins.plugins.values()
+                    if hook in p.wrappers and p.name not in active_wrappers]
+        rows.append((hook, ", ".join(active_wrappers + inactive)))
+    print_rows(rows or [("(none)", "")])
+
+
+def print_rows(rows: list[tuple[str, str]]) -> None:
+    """Two columns, the first as wide as its longest entry."""
+    width = max(len(name) for name, _ in rows)
+    for name, owner in rows:
+        print(f"  {name:<{width}}  {owner}".rstrip())
 
 
 def cmd_export(args) -> int:

@@ -316,7 +316,10 @@ def load(
     """Read and validate a recipe and load the plugin set it asks for.
 
     ``plugin_flags`` are the CLI's ``-p NAME`` / ``-p no:NAME``;
-    ``extra_plugins`` are ``(name, object)`` plugins that are not installed.
+    ``extra_plugins`` are ``(name, object)`` plugins that are not installed;
+    one the plugin manager refuses (no ``AGL_HOOK_API``, an unknown hook, …)
+    is a :class:`ConfigError` with the reason, as an enabled plugin that
+    failed is.
     """
     recipe = validate_recipe(read_recipe(path, list(overrides)))
     enable, disable = parse_plugin_flags(plugin_flags)
@@ -334,6 +337,10 @@ def load(
         )
     except PluginError as exc:
         raise ConfigError(str(exc)) from None
+    for name in extra_names:  # asked for by object, as -p NAME asks for an installed one: refused is fatal
+        plugin = plugins.plugins[name]
+        if plugin.status == "failed":
+            raise ConfigError(f"plugin {name!r} ({type(plugin.obj).__name__} object) was refused: {plugin.reason}")
     validate_plugin_sections(recipe, plugins)
     return recipe, plugins
 

@@ -23,6 +23,7 @@ calls; ``AGL_TRACE_HOOKS=1`` logs each of them (:func:`trace_hooks`).
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import inspect
@@ -262,6 +263,10 @@ class PluginSet:
     def __init__(self, plugins: list[Plugin], manager: pluggy.PluginManager):
         self.plugins = {p.name: p for p in plugins}
         self.manager = manager
+        wrapped = {hook for p in plugins if p.status == "active" for hook in p.wrappers if hook in RESULT_CHECKS}
+        self.inner_results = InnerResults(sorted(wrapped))
+        if wrapped:  # registered last, so it is the innermost wrapper of each call
+            manager.register(self.inner_results, name=InnerResults.NAME)
         self.settings: dict[str, Any] = {}
         """Plugin name → its validated recipe section, filled when a recipe is validated against this set."""
 
@@ -383,11 +388,25 @@ class PluginSet:
         is a :class:`PluginError` naming the plugin, the hook and what was
         expected.
         """
-        result = self.caller(hook, plugin)(**kwargs)
+        with self.inner_results.recording() as inner:
+            result = self.caller(hook, plugin)(**kwargs)
         problem = result_problem(hook, result, kwargs)
-        if problem is not None:
-            raise PluginError(f"plugin {self.label(plugin)}: hook {hook!r} {problem}")
-        return result
+        if problem is None:
+            return result
+        if inner and result is not inner[0] and result_problem(hook, inner[0], kwargs) is None:
+            wrappers = self.wrappers_of(hook)
+            raise PluginError(
+                f"{'the wrapper' if len(wrappers) == 1 else 'a wrapper'} of hook {hook!r} "
+                f"({', '.join(self.label(name) for name in wrappers)}) replaced the result of plugin "
+                f"{self.label(plugin)}: it {problem}; a wrapper returns what its 'result = yield' gave it, "
+                f"or a result of the same kind")
+        raise PluginError(f"plugin {self.label(plugin)}: hook {hook!r} {problem}")
+
+    def wrappers_of(self, hook: str) -> list[str]:
+        """Names of the active plugins that wrap ``hook``, outermost first (the core's own probe left out)."""
+        impls = getattr(self.manager.hook, hook).get_hookimpls()
+        return [impl.plugin_name for impl in reversed(impls)
+                if _is_wrapper(impl) and impl.plugin_name != InnerResults.NAME]
 
     def label(self, name: str) -> str:
         plugin = self.plugins.get(name)
@@ -472,6 +491,47 @@ class PluginSet:
             {"name": p.name, "distribution": p.distribution, "version": p.version, "hooks": p.hooks}
             for p in self.active()
         ]
+
+
+class InnerResults:
+    """The innermost wrapper of each checked hook that a plugin wraps: it keeps what the implementation itself
+    returned, so that a bad result is blamed on the wrapper that made it, not on the plugin it wrapped.
+
+    Registered after every plugin with ``trylast``, which makes it the innermost wrapper (pluggy calls the
+    wrappers registered later in a tier closer to the implementation). :meth:`recording` collects, per thread,
+    the inner result of the call made inside it (a hook called from within the call records into its own).
+    """
+
+    NAME = "agl_core.inner_results"
+
+    def __init__(self, hooks: list[str]):
+        self._local = threading.local()
+        for hook in hooks:
+            setattr(self, f"record_{hook}", hookimpl(wrapper=True, trylast=True, specname=hook)(self._recorder()))
+
+    def _recorder(self) -> Callable:
+        local = self._local
+
+        def record():
+            result = yield
+            stack = getattr(local, "stack", None)
+            if stack:
+                stack[-1].append(result)
+            return result
+
+        return record
+
+    @contextlib.contextmanager
+    def recording(self):
+        """A list that holds the inner result of the one call made in the block (empty when no wrapper ran)."""
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        stack.append([])
+        try:
+            yield stack[-1]
+        finally:
+            stack.pop()
 
 
 class HookCall:
@@ -637,7 +697,8 @@ def trace_hooks(manager: pluggy.PluginManager, logger: logging.Logger = trace_lo
     def after(outcome, hook_name, hook_impls, kwargs):
         elapsed_ms = (time.perf_counter() - started.stack.pop()) * 1e3
         owners = [impl.plugin_name for impl in hook_impls if not _is_wrapper(impl)]
-        wrapped = [impl.plugin_name for impl in hook_impls if _is_wrapper(impl)]
+        wrapped = [impl.plugin_name for impl in hook_impls
+                   if _is_wrapper(impl) and impl.plugin_name != InnerResults.NAME]
         result = (f"raised {type(outcome.exception).__name__}: {outcome.exception}"
                   if outcome.exception is not None else summarize(outcome.get_result()))
         logger.info("hook %s [%s]%s %.2f ms -> %s", hook_name, ", ".join(owners) or "-",

@@ -156,6 +156,37 @@ def test_plugins_json_verbose_and_doctor_without_a_recipe(tmp_path):
     assert "loggers (log_metrics):" in out.stdout and "  console" in lines
 
 
+def test_doctor_lists_wrappers_and_aligns_long_component_names(tmp_path):
+    from agl_core.testing import write_distribution
+
+    source = f"""
+        from agl_core import hookimpl
+
+        AGL_HOOK_API = {HOOK_API_VERSION!r}
+        LONG = "a_very_long_estimator_name_of_a_third_party_plugin"
+
+        @hookimpl
+        def register_estimators(register):
+            register(LONG, lambda batch, config: None)
+
+        @hookimpl(wrapper=True)
+        def update_actor():
+            return (yield)
+    """
+    write_distribution(tmp_path, "agl-plugin-timer", "0.1", {"timer_plugin": source}, {"timer": "timer_plugin"})
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    out = agl("doctor", "-p", "timer", env=env)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    estimators = lines[lines.index("estimators:") + 1:lines.index("policy losses:") - 1]
+    assert "  a_very_long_estimator_name_of_a_third_party_plugin  timer" in estimators
+    assert len({line.index(line.split()[1]) for line in estimators}) == 1  # one column of owners
+    wrappers = lines[lines.index("wrappers (outermost first):") + 1:]
+    assert wrappers == ["  update_actor  timer"]
+    inactive = agl("doctor", env=env).stdout.splitlines()
+    assert "  update_actor  timer (not active: -p timer)" in inactive
+
+
 def test_every_subcommand_parses_options_between_its_positionals():
     from agl_core.cli import build_parser
 

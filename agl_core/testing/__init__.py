@@ -74,7 +74,8 @@ def plugin_distribution(tmp_path, monkeypatch) -> Callable[..., Path]:
 def make_recipe(tmp_path) -> Callable[..., tuple[Recipe, PluginSet]]:
     """Factory: ``make_recipe(overrides=[...], plugins=[(name, obj)], flags=[...])`` → (recipe, plugin set).
 
-    The run directory is ``tmp_path/run`` unless an override sets it.
+    The run directory is ``tmp_path/run`` unless an override sets it. A plugin object the plugin manager
+    refuses (no ``AGL_HOOK_API``, an unknown hook, …) raises ``ConfigError`` with the reason.
     """
 
     def make(overrides: list[str] = (), plugins: list[tuple[str, Any]] = (), flags: list[str] = ()):

@@ -46,6 +46,7 @@ the aggregate :class:`PluginContract` share them.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import threading
@@ -56,9 +57,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pydantic
 import pytest
 import torch
 
+from agl_core import HOOK_API_VERSION, hookimpl, hookspecs
 from agl_core.components import REGISTRATION_HOOKS, Components
 from agl_core.config import Recipe, load
 from agl_core.context import TrainContext
@@ -115,11 +118,14 @@ class ContractEnv:
 
 
 def contract_env(run_dir: Path, plugin_name: str, plugin_object: Any = None, overrides: list[str] = (),
-                 flags: list[str] = ()) -> ContractEnv:
-    """Load the recipe ``overrides`` with the plugin active, as ``agl train -p NAME`` would."""
+                 flags: list[str] = (), others: list[tuple[str, Any]] = ()) -> ContractEnv:
+    """Load the recipe ``overrides`` with the plugin active, as ``agl train -p NAME`` would.
+
+    ``others`` are more ``(name, object)`` plugins beside it (the stand-in a wrapper check wraps).
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = [f"trainer.run_dir={run_dir}", "trainer.progress=false", *overrides]
-    extra = [(plugin_name, plugin_object)] if plugin_object is not None else []
+    extra = ([(plugin_name, plugin_object)] if plugin_object is not None else []) + list(others)
     enable = [plugin_name] if plugin_object is None else []
     recipe, plugins = load(None, overrides, [*enable, *flags], extra_plugins=extra)
     plugin = plugins.plugins[plugin_name]
@@ -426,6 +432,103 @@ def check_lifecycle(env: ContractEnv) -> None:
             env.call_own("on_train_end")
 
 
+# ---------------------------------------------------------------------------------------------- wrappers
+
+
+STAND_IN = "contract_stand_in"
+"""The name of the plugin whose implementation a wrapper check wraps."""
+
+
+class _StandInSettings(pydantic.BaseModel):
+    pass
+
+
+def _batch_with(*columns: str) -> Callable[[ContractEnv], tuple[dict[str, Any], Any]]:
+    def make(env: ContractEnv) -> tuple[dict[str, Any], Any]:
+        batch = example_batch()
+        out = example_batch()
+        for column in columns:
+            if column not in out:
+                out[column] = torch.zeros(out["responses"].shape)
+        return {"batch": batch}, out
+
+    return make
+
+
+def _checkpoint_dir(env: ContractEnv) -> str:
+    path = env.ctx.run_dir / "checkpoints" / "global_step_1"
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
+WRAPPED_CALLS: dict[str, Callable[[ContractEnv], tuple[dict[str, Any], Any]]] = {
+    "plugin_config_schema": lambda env: ({}, _StandInSettings),
+    **{hook: (lambda env: ({"register": lambda *args, **kwargs: None, "settings": None}, None))
+       for hook in REGISTRATION_HOOKS.values()},
+    "on_train_start": lambda env: ({}, None),
+    "on_train_end": lambda env: ({}, None),
+    "on_step_start": lambda env: ({"step": 1}, None),
+    "on_step_end": lambda env: ({"step": 1, "metrics": {"actor/pg_loss": 0.5}}, None),
+    "policy_endpoints": lambda env: ({}, ["http://127.0.0.1:9/v1"]),
+    "collect_rollouts": lambda env: ({"tasks": example_tasks(2), "mode": "train"}, example_rollouts()),
+    "post_process_batch": lambda env: ({"batch": example_batch()}, example_batch()),
+    "compute_old_logprob": _batch_with("old_log_probs", "entropys"),
+    "compute_ref_logprob": _batch_with("ref_log_prob"),
+    "compute_values": _batch_with("values"),
+    "advantage": _batch_with("advantages", "returns"),
+    "update_critic": lambda env: ({"batch": example_batch()}, {"critic/vf_loss": 0.25}),
+    "update_actor": lambda env: ({"batch": example_batch()}, {"actor/pg_loss": 0.25}),
+    "validate": lambda env: ({"tasks": example_tasks(2)}, {"val/reward/mean": 0.5}),
+    "save_checkpoint": lambda env: ({"path": _checkpoint_dir(env)}, None),
+    "load_checkpoint": lambda env: ({"path": _checkpoint_dir(env)}, None),
+    "log_metrics": lambda env: ({"metrics": {"actor/pg_loss": 0.5}, "step": 1}, None),
+    "export_model": lambda env: ({"path": _checkpoint_dir(env), "out": str(env.ctx.run_dir / "export"),
+                                  "merged": True}, str(env.ctx.run_dir / "export")),
+}
+"""Hook → (the arguments of one call but ``ctx``, what a stand-in implementation returns) for a wrapper check."""
+
+
+class StandIn:
+    """A plugin whose implementation of one hook returns :attr:`result` and counts its calls."""
+
+    AGL_HOOK_API = HOOK_API_VERSION
+
+    def __init__(self, hook: str):
+        self.result: Any = None
+        self.calls = 0
+
+        def implementation():
+            self.calls += 1
+            return self.result
+
+        self.implementation = hookimpl(specname=hook)(implementation)
+
+
+def check_wrapper(env_with: Callable[[Any], ContractEnv], hook: str) -> None:
+    """The plugin's wrapper of ``hook`` around one call of a stand-in implementation, as the core makes it.
+
+    ``env_with(stand_in)`` makes an env with the plugin under test and ``stand_in`` (named
+    :data:`STAND_IN`) active. The call goes through pluggy, so the wrapper wraps it: it must let the
+    implementation run once and give back a result the core accepts: for a hook with a result, not
+    ``None`` (the core names the wrapper when it replaces a good result with a bad one).
+    """
+    make = WRAPPED_CALLS.get(hook)
+    assert make is not None, f"no contract call is known for hook {hook!r}: declare the wrapper in not_covered"
+    standin = StandIn(hook)
+    env = env_with(standin)
+    who = f"the wrapper of {hook!r} of plugin {env.plugin!r}"
+    kwargs, standin.result = make(env)
+    if "ctx" in inspect.signature(getattr(hookspecs, hook)).parameters:
+        kwargs["ctx"] = env.ctx
+    out = env.plugins.call(hook, STAND_IN, **kwargs)
+    assert standin.calls == 1, (
+        f"{who} let the implementation it wraps run {standin.calls} times, expected once (a wrapper yields once)")
+    if standin.result is not None:
+        assert out is not None, (
+            f"{who} returned None in place of the implementation's result; end it with "
+            f"'result = yield' ... 'return result'")
+
+
 # ------------------------------------------------------------------------------------------------ stores
 
 
@@ -716,6 +819,17 @@ class _ContractBase:
     def env(self, tmp_path, plugin_name, plugin_object, contract_recipe, plugin_flags) -> ContractEnv:
         return contract_env(tmp_path / "run", plugin_name, plugin_object, contract_recipe, plugin_flags)
 
+    @pytest.fixture
+    def env_with(self, tmp_path, plugin_name, plugin_object, plugin_overrides, plugin_flags):
+        """Factory: a new env (its own run directory) with the stand-in plugin of a wrapper check beside the plugin."""
+        counter = iter(range(1_000_000))
+
+        def make(standin: Any) -> ContractEnv:
+            return contract_env(tmp_path / f"wrapped-{next(counter)}", plugin_name, plugin_object,
+                                plugin_overrides, plugin_flags, others=[(STAND_IN, standin)])
+
+        return make
+
 
 class EstimatorContract(_ContractBase):
     """An advantage estimator (``register_estimators``). Fixtures: ``plugin_name``, ``estimator_name``."""
@@ -801,6 +915,20 @@ class PipelineStageContract(_ContractBase):
         check_pipeline_stage(env)
 
 
+class WrapperContract(_ContractBase):
+    """The plugin's hook wrappers (``@hookimpl(wrapper=True)`` or ``hookwrapper=True``), each around one call.
+
+    Fixture: ``plugin_name``. Each wrapper wraps a stand-in implementation of its hook, called as the
+    core calls it: the implementation runs once and the wrapper gives back a result the core accepts.
+    """
+
+    def test_wrappers(self, env, env_with):
+        wrappers = env.plugins.plugins[env.plugin].wrappers
+        assert wrappers, f"plugin {env.plugin!r} wraps no hook"
+        for hook in wrappers:
+            check_wrapper(env_with, hook)
+
+
 class BackendContract(_ContractBase):
     """The slots a backend fills, in one full step of the loop (the instant loop of the quick start).
 
@@ -844,6 +972,10 @@ class PluginContract(_ContractBase):
     ``"lifecycle"`` (the lifecycle hooks), skips that kind's test with the
     reason, listed in pytest's summary: for what cannot run here (a backend
     that needs a GPU, a runner that needs an agent and a policy server).
+    Every wrapper the plugin has (``@hookimpl(wrapper=True)``) runs around
+    a stand-in implementation of its hook (:func:`check_wrapper`);
+    ``"wrapper:HOOK"`` in ``not_covered`` leaves one out, and a wrapper of a
+    hook the suite has no call for fails :meth:`test_nothing_left_out`.
     """
 
     not_covered: dict[str, str] = {}
@@ -865,7 +997,8 @@ class PluginContract(_ContractBase):
 
     def test_loads(self, env):
         plugin = env.plugins.plugins[env.plugin]
-        assert plugin.status == "active" and plugin.hooks, f"plugin {plugin.label} implements no hook"
+        assert plugin.status == "active" and (plugin.hooks or plugin.wrappers), (
+            f"plugin {plugin.label} implements and wraps no hook")
 
     def _each(self, env: ContractEnv, kind: str) -> Iterator[str]:
         """The plugin's components of ``kind``, less those declared ``not_covered["kind:name"]``; then a skip naming those."""
@@ -926,11 +1059,18 @@ class PluginContract(_ContractBase):
         check_backend_slots(fresh_env(*backend_overrides([], backend_tasks)), backend_tasks)
         check_backend_run(fresh_env(*backend_overrides([], backend_tasks)), backend_tasks)
 
+    def test_wrappers(self, env, env_with):
+        for hook in env.plugins.plugins[env.plugin].wrappers:
+            if f"wrapper:{hook}" not in self.not_covered:
+                check_wrapper(env_with, hook)
+
     def test_nothing_left_out(self, env):
         covered = {"plugin_config_schema", "advantage", *REGISTRATION_HOOKS.values(), "log_metrics",
                    "post_process_batch", *LIFECYCLE_HOOKS, *BACKEND_SLOTS}
         covered -= {"register_actor_transforms"}  # no contract runs an actor transform: declare it
         left = [h for h in env.hooks if h not in covered and h not in self.not_covered]
+        left += [f"wrapper:{h}" for h in env.plugins.plugins[env.plugin].wrappers
+                 if h not in WRAPPED_CALLS and f"wrapper:{h}" not in self.not_covered]
         assert not left, (
             f"plugin {env.plugin!r} implements {left}, which no contract checks; test them and name each in "
             f"not_covered = {{hook: 'where it is tested'}} of {type(self).__name__}")
