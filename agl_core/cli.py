@@ -35,6 +35,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help that shows each option's default where it has one (not None, False or empty) and does not say it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.option_strings and action.default not in (None, False, [], argparse.SUPPRESS)
+                and "default" not in text):
+            text += " (default: %(default)s)"
+        return text
+
+
 class IntermixedParser(argparse.ArgumentParser):
     """A (sub)command parser whose options and positionals may come in any order.
 
@@ -46,6 +57,10 @@ class IntermixedParser(argparse.ArgumentParser):
     """
 
     _intermixing = False
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)  # subcommands' parsers are of this class too
+        super().__init__(*args, **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):
         has_subcommands = any(isinstance(a, argparse._SubParsersAction) for a in self._actions)
@@ -81,10 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
                          help="show a failed plugin's import traceback and every warning")
     plugins.set_defaults(run=cmd_plugins)
 
-    new_plugin = sub.add_parser("new-plugin", help="render a new plugin distribution from the template")
+    from agl_core.new_plugin import DEFAULT_HOOKS, TEMPLATED_HOOKS
+
+    templated = "\n".join(f"  {hook:<24} {what}" for hook, what in TEMPLATED_HOOKS.items())
+    new_plugin = sub.add_parser(
+        "new-plugin", help="render a new plugin distribution from the template (needs copier: agl-core[plugin-dev])",
+        epilog=f"hooks the template has a starting point for (NAME is the plugin's name):\n{templated}\n"
+               f"A slot of the step (compute_old_logprob, ...) has none: add it by hand (docs/hooks.md).")
     new_plugin.add_argument("name", help="the plugin's name (its entry point)")
     new_plugin.add_argument("--hook", action="append", default=[], metavar="HOOK",
-                            help="a hook the plugin implements; repeatable")
+                            help=f"a hook the plugin implements (one of those listed below); repeatable "
+                                 f"(default: {' '.join(DEFAULT_HOOKS)})")
     new_plugin.add_argument("-o", "--output", default=None, metavar="DIR", help="where to write the distribution")
     new_plugin.set_defaults(run=cmd_new_plugin)
 

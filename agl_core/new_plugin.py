@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from agl_core import __version__
-from agl_core.plugins import HOOK_KINDS, RESERVED_NAMES
+from agl_core.plugins import HOOK_KINDS, RESERVED_NAMES, did_you_mean
 
 TEMPLATE = Path(__file__).parent / "templates" / "plugin"
 DEFAULT_HOOKS = ("register_estimators", "log_metrics")
@@ -45,11 +45,6 @@ def render(name: str, hooks: list[str], output: Path) -> Path:
     hook the contract or the template does not know, or an output directory
     that exists and is not empty.
     """
-    try:
-        import copier  # only this command needs the templating engine
-    except ImportError:
-        raise NewPluginError("agl new-plugin renders its template with copier: pip install copier") from None
-
     if not NAME_RULE.match(name):
         raise NewPluginError(f"plugin name {name!r}: use lower-case letters, digits and _, starting with a letter "
                              f"(it is the entry point, the recipe section plugins.{name} and -p {name})")
@@ -58,7 +53,8 @@ def render(name: str, hooks: list[str], output: Path) -> Path:
                              f"({', '.join(sorted(RESERVED_NAMES))})")
     for hook in hooks:
         if hook not in HOOK_KINDS:
-            raise NewPluginError(f"--hook {hook!r} is not a hook of agl_core; hooks: {', '.join(sorted(HOOK_KINDS))}")
+            raise NewPluginError(f"--hook {hook!r} is not a hook of agl_core{did_you_mean(hook, HOOK_KINDS)}; "
+                                 f"hooks with a template: {', '.join(TEMPLATED_HOOKS)}")
         if hook not in TEMPLATED_HOOKS and hook != "plugin_config_schema":
             raise NewPluginError(
                 f"--hook {hook!r}: the template has no starting point for a {HOOK_KINDS[hook]} hook like it; "
@@ -66,6 +62,12 @@ def render(name: str, hooks: list[str], output: Path) -> Path:
                 f"(docs/hooks.md)")
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise NewPluginError(f"{output} exists and is not an empty directory; choose another with -o DIR")
+    try:
+        import copier  # only this command needs the templating engine
+    except ImportError:
+        raise NewPluginError('agl new-plugin renders its template with copier, which is not installed: '
+                             'pip install "agl-core[plugin-dev]" (copier and pytest; from a clone: '
+                             'pip install -e ".[plugin-dev]")') from None
     hooks = list(dict.fromkeys(h for h in hooks if h != "plugin_config_schema"))  # the schema is always there
     copier.run_copy(str(TEMPLATE), output, data={
         "name": name, "hooks": hooks, "agl_core_version": ".".join(__version__.split(".")[:2]),

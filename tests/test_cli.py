@@ -187,6 +187,19 @@ def test_doctor_lists_wrappers_and_aligns_long_component_names(tmp_path):
     assert "  update_actor  timer (not active: -p timer)" in inactive
 
 
+def test_help_shows_the_defaults_of_options():
+    from agl_core.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    runner = " ".join(commands["runner"].format_help().split())
+    for flag, default in (("--connect-timeout-s", "60.0"), ("--workers", "8"), ("--lease-s", "30.0"),
+                          ("--drain-s", "30.0"), ("--timeout-s", "600.0"), ("--model", "policy")):
+        assert f"(default: {default})" in runner.split(flag, 2)[2].split(" --")[0], flag
+    assert "(default: None)" not in runner and "(default: [])" not in runner
+    store = commands["serve"]._subparsers._group_actions[0].choices["store"]
+    assert "(default: 127.0.0.1)" in " ".join(store.format_help().split())
+
+
 def test_every_subcommand_parses_options_between_its_positionals():
     from agl_core.cli import build_parser
 

@@ -71,7 +71,7 @@ def test_each_templated_hook_renders_a_plugin_that_loads(tmp_path, monkeypatch, 
 @pytest.mark.parametrize("name, hooks, message", [
     ("My-Plugin", [], "lower-case letters"),
     ("slots", [], "reserved"),
-    ("ok", ["log_metric"], "not a hook of agl_core"),
+    ("ok", ["log_metric"], "not a hook of agl_core \\(did you mean 'log_metrics'\\?\\); hooks with a template: "),
     ("ok", ["compute_old_logprob"], "no starting point for a slot hook"),
 ])
 def test_bad_input_is_refused_naming_it(tmp_path, name, hooks, message):
@@ -85,3 +85,20 @@ def test_a_non_empty_output_directory_is_refused(tmp_path):
     with pytest.raises(NewPluginError, match="not an empty directory"):
         render("ok", [], tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+def test_help_lists_the_hooks_with_a_template():
+    from agl_core.cli import build_parser
+
+    parser = build_parser()
+    new_plugin = parser._subparsers._group_actions[0].choices["new-plugin"]
+    text = new_plugin.format_help()
+    for hook in TEMPLATED_HOOKS:
+        assert f"  {hook} " in text, hook
+    assert "(default: register_estimators log_metrics)" in " ".join(text.split())
+
+
+def test_without_copier_the_error_names_the_extra_that_brings_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "copier", None)  # import copier now raises ImportError
+    with pytest.raises(NewPluginError, match=r'pip install "agl-core\[plugin-dev\]"'):
+        render("ok", [], tmp_path / "dist")
