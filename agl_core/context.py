@@ -51,6 +51,7 @@ class TrainContext:
 
         A resumed run logs again every step after its checkpoint's; a run from
         step 0 logs everything again, the validation before training included.
+        Read-only: it is computed from ``step``.
         """
         return self.step + 1 if self.step else 0
 

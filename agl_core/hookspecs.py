@@ -267,7 +267,8 @@ def post_process_batch(ctx: TrainContext, batch: Batch) -> Batch:
     non-tensor columns ``uid`` (the group of the row), ``rollout_id`` and
     ``turn_index``; optionally ``prompt_length`` and ``response_length``
     (the real tokens on either side, as the attention mask marks them: the
-    loop's metrics then read these instead of the mask). Later stages filter
+    loop's metrics then read these instead of the mask); its batch is a new
+    one, whose ``meta`` no longer holds ``"rollouts"``. Later stages filter
     rows (zero-variance groups, rows per rollout, …) and return the batch; a
     stage that changes ``attention_mask`` updates or drops the length
     columns. Stages may report metrics in ``ctx.step_metrics``.

@@ -163,7 +163,7 @@ class LocalRunner:
                     self._finish(attempt.rollout_id, attempt.attempt_id, status, reward, error)
         finally:
             if loop is not None:
-                loop.close()
+                close_loop(loop)
 
     def _finish(self, rollout_id: str, attempt_id: str, status: str, reward: float | None = None,
                 error: str | None = None) -> None:
@@ -330,3 +330,22 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
         metrics.update({"rollout/latency_s/p50": float(p50), "rollout/latency_s/p90": float(p90),
                         "rollout/latency_s/p99": float(p99), "rollout/latency_s/max": float(max(latencies))})
     return metrics
+
+
+def close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Close a worker's event loop as ``asyncio.run`` closes its own.
+
+    What the agents left behind (a task an SDK cancelled, the ``aclose`` of an async generator dropped
+    mid-iteration) is cancelled and run to its end and the async generators are finalized first; a loop
+    closed over them makes asyncio log "Task was destroyed but it is pending!" once for each.
+    """
+    try:
+        loop.run_until_complete(asyncio.sleep(0))  # callbacks scheduled from other threads (a finalizer's) make their tasks
+        pending = asyncio.all_tasks(loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    finally:
+        loop.close()

@@ -310,3 +310,38 @@ def test_cancel_abandoned_ends_only_the_rollouts_of_its_own_run():
     assert statuses == {"mine": "failed", "theirs": "queuing", "untagged": "failed", "mine-running": "failed"}
     assert cancel_abandoned(store, "A") == 0
     store.close()
+
+
+def test_a_worker_loop_closes_over_what_an_agent_left_running():
+    """What an async agent leaves behind (a background task, an async generator dropped mid-way) ends with its
+    worker's loop, as under asyncio.run, instead of being destroyed pending."""
+    from agl_core.runner import close_loop
+
+    ended = []
+
+    async def stream():
+        try:
+            while True:
+                yield 1
+                await asyncio.sleep(0)
+        finally:
+            ended.append("generator")
+
+    async def forever():
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            ended.append("task")
+
+    async def agent():
+        left = asyncio.get_running_loop().create_task(forever())
+        events = stream()
+        await events.__anext__()  # read once, never closed
+        await asyncio.sleep(0)
+        return left, events
+
+    loop = asyncio.new_event_loop()
+    left, events = loop.run_until_complete(agent())
+    close_loop(loop)
+    assert loop.is_closed() and left.cancelled()
+    assert sorted(ended) == ["generator", "task"]

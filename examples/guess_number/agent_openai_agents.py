@@ -13,12 +13,14 @@ One thing the game must handle: its answers are one token (``max_tokens``
 response, and on which the SDK raises ``ModelBehaviorError`` (as it would
 against OpenAI). The turn is run streamed and the answer read from the
 stream's last event, which carries the whole response, complete or not; an
-incomplete run is then cancelled rather than left to raise.
+incomplete run is then cancelled rather than left to raise, and the stream is
+read to its end either way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import weakref
 
@@ -50,17 +52,17 @@ def _http():
 async def answer(player: Agent, text: str, previous_response_id: str | None) -> tuple[str, str]:
     """The player's answer to ``text`` in the conversation of ``previous_response_id``, and its response id."""
     run = Runner.run_streamed(player, text, previous_response_id=previous_response_id)
-    async for event in run.stream_events():
-        if event.type == "raw_response_event" and event.data.type in ENDS:
-            final = event.data.response
-            break
-    else:
+    final = None
+    # Read to its end, as the SDK asks also after a cancel: a stream left mid-way leaves the turn's tasks to the
+    # garbage collector, on a loop that may be gone by then (asyncio's "Task was destroyed but it is pending!").
+    async with contextlib.aclosing(run.stream_events()) as events:
+        async for event in events:
+            if final is None and event.type == "raw_response_event" and event.data.type in ENDS:
+                final = event.data.response
+                if final.status == "incomplete":
+                    run.cancel()  # the SDK would raise ModelBehaviorError on it; the answer is all the game needs
+    if final is None:
         raise RuntimeError("the response stream ended without its last event")
-    if final.status == "incomplete":
-        run.cancel()  # the SDK would raise ModelBehaviorError on it; the answer is all the game needs
-    else:
-        async for _ in run.stream_events():  # let the SDK finish the turn
-            pass
     return final.output_text, final.id
 
 
