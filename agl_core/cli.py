@@ -1,4 +1,4 @@
-"""The ``agl`` command: train, plugins, config show, doctor, export, plot, serve store|gateway, runner, new-plugin.
+"""The ``agl`` command: train, plugins, config show, doctor, export, plot, show, serve store|gateway, runner, new-plugin.
 
 Options, ``-p`` flags and ``key=value`` overrides may come in any order after
 the subcommand (``agl train RECIPE -p NAME key=value`` or ``agl train -p NAME
@@ -169,6 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", help="run directory (trainer.run_dir) holding metrics.jsonl")
     plot.add_argument("-o", "--out", help="PNG to write (default: RUN_DIR/curves.png)")
     plot.set_defaults(run=cmd_plot)
+
+    rows = sub.add_parser("show", help="print a few trained rows of a step: prompt, response, reward, advantage "
+                                       "(written by the samples plugin)")
+    rows.add_argument("run_dir", help="run directory (trainer.run_dir) of a run with plugins.samples")
+    rows.add_argument("--step", type=int, default=None, help="the step (default: the last one written)")
+    rows.add_argument("-n", "--rows", type=int, default=3, help="rows to print")
+    rows.set_defaults(run=cmd_show)
     return parser
 
 
@@ -402,6 +409,13 @@ def cmd_plot(args) -> int:
     from agl_core.plot import plot_run
 
     print(plot_run(args.run_dir, args.out))
+    return 0
+
+
+def cmd_show(args) -> int:
+    from agl_core.show import show
+
+    show(args.run_dir, args.step, args.rows)
     return 0
 
 

@@ -23,7 +23,10 @@ class TrainContext:
     transforms the active plugins registered (``components.get(kind, name)``).
     ``run_dir`` is the run directory, this trainer's alone during the run.
     ``world_size`` is set by the backend in ``on_train_start``: rows are padded
-    to a multiple of it and balanced over it. ``step_metrics`` collects the
+    to a multiple of it and balanced over it. ``tokenizer`` is the policy's
+    tokenizer (anything with ``decode(ids) -> str``), set there by a backend
+    that has one, for plugins that show text (the ``samples`` plugin);
+    ``None`` otherwise. ``step_metrics`` collects the
     metrics that hooks report during the current step; the loop logs them.
     ``state`` is free space for plugins, keyed by plugin name. ``slots`` maps
     each resolved slot hook to ``(plugin name, call)``; call them with
@@ -41,6 +44,7 @@ class TrainContext:
     step: int = 0
     epoch: int = 0
     world_size: int = 1
+    tokenizer: Any = None
     step_metrics: dict[str, float] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)
     slots: dict[str, tuple[str, Callable]] = field(default_factory=dict)

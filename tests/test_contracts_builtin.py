@@ -49,6 +49,20 @@ class TestValidationContract(PluginContract):
         return ["instant"]
 
 
+class TestSamplesContract(PluginContract):
+    """The samples plugin (opt-in): its settings, its on_train_start and its wrapper of update_actor."""
+
+    @pytest.fixture
+    def plugin_name(self):
+        return "samples"
+
+    @pytest.fixture
+    def plugin_object(self):
+        from agl_core.builtin import samples
+
+        return samples
+
+
 class TestHttpStore(StoreContract):
     """The http store (the store service's client) against a real service on 127.0.0.1 over an SQLite file."""
 

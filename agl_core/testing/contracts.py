@@ -455,6 +455,14 @@ def _batch_with(*columns: str) -> Callable[[ContractEnv], tuple[dict[str, Any], 
     return make
 
 
+def _trained_batch() -> Batch:
+    """Rows as the updates get them: with advantages and returns."""
+    batch = example_batch()
+    batch["advantages"] = batch["values"].clone()
+    batch["returns"] = batch["values"].clone()
+    return batch
+
+
 def _checkpoint_dir(env: ContractEnv) -> str:
     path = env.ctx.run_dir / "checkpoints" / "global_step_1"
     path.mkdir(parents=True, exist_ok=True)
@@ -476,8 +484,8 @@ WRAPPED_CALLS: dict[str, Callable[[ContractEnv], tuple[dict[str, Any], Any]]] = 
     "compute_ref_logprob": _batch_with("ref_log_prob"),
     "compute_values": _batch_with("values"),
     "advantage": _batch_with("advantages", "returns"),
-    "update_critic": lambda env: ({"batch": example_batch()}, {"critic/vf_loss": 0.25}),
-    "update_actor": lambda env: ({"batch": example_batch()}, {"actor/pg_loss": 0.25}),
+    "update_critic": lambda env: ({"batch": _trained_batch()}, {"critic/vf_loss": 0.25}),
+    "update_actor": lambda env: ({"batch": _trained_batch()}, {"actor/pg_loss": 0.25}),
     "validate": lambda env: ({"tasks": example_tasks(2)}, {"val/reward/mean": 0.5}),
     "save_checkpoint": lambda env: ({"path": _checkpoint_dir(env)}, None),
     "load_checkpoint": lambda env: ({"path": _checkpoint_dir(env)}, None),

@@ -95,6 +95,7 @@ class TorchBackend:
             if backend.config.updates_in_a_process(asynchronous=True):
                 backend.train_in_a_process()
         backend.start_serving(ctx.config.rollout.model)
+        ctx.tokenizer = backend.tokenizer  # for plugins that show text (the samples plugin)
         n_params = sum(p.numel() for p in backend.actor.parameters())
         log.info("policy %s (%.2fM parameters, %s) served at %s", backend.source, n_params / 1e6,
                  backend.actor.dtype, backend.url)

@@ -153,3 +153,19 @@ def test_a_local_model_directory_is_served_and_trained(tmp_path):
     p = backend.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True,
                                               return_dict=False)
     assert len(full_forward_logprobs(backend, p, [5, 6])) == 2
+
+
+def test_the_backend_lends_its_tokenizer_to_the_samples_plugin(tmp_path):
+    """ctx.tokenizer is the policy's: the samples plugin writes the trained rows' text, as the model wrote it."""
+    from agl_core.builtin import samples
+
+    recipe, pset = load(recipe_file(tmp_path), ["trainer.total_steps=1", "plugins.samples.rows=2"], ["torch", "traces"],
+                        extra_plugins=[("samples", samples)])
+    trainer = Trainer(recipe, pset, train_tasks=TASKS, val_tasks=[])
+    trainer.fit()
+    assert trainer.ctx.tokenizer is trainer.ctx.state["torch"].tokenizer
+    rows = samples.read_step(trainer.ctx.run_dir / "samples" / "1.jsonl")
+    assert len(rows) == 2 and all(row["text"] for row in rows)
+    for row in rows:
+        assert row["prompt"].startswith("<|user|> guess a number ") and row["prompt"].endswith("<|assistant|>")
+        assert row["response"] and row["response_length"] >= row["trained_tokens"] > 0
