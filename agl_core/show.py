@@ -1,7 +1,7 @@
 """``agl show RUN_DIR [--step N] [-n K]``: a few trained rows of a step, as the ``samples`` plugin wrote them.
 
-Each row is a panel: its step, rollout, turn, reward and advantages in the title; the prompt (dimmed) and the
-model's response below. Without ``--step``, the last step written.
+Each row is a panel titled with its step, rollout and turn: its reward, advantages and lengths, then the
+prompt and the response (every token after the prompt: the environment's replies between turns too). Without ``--step``, the last step written.
 """
 
 from __future__ import annotations
@@ -38,22 +38,25 @@ def show(run_dir: str | Path, step: int | None = None, rows: int = 3, width: int
     console = Console(width=width, highlight=False)
     console.print(f"{path}: step {step}, {min(rows, len(records))} of the {len(records)} rows written")
     for record in records[:rows]:
-        title = (f"step {record['step']} · rollout {record['rollout_id']} · turn {record['turn_index']} · "
-                 f"reward {record['reward']:.4g}")
+        title = f"step {record['step']} · rollout {record['rollout_id']} · turn {record['turn_index']}"
+        body = Text(f"reward {record['reward']:.4g}")
         advantage = record.get("advantage")
         if advantage is not None:
-            title += (f" · advantage {advantage['mean']:+.3g} (min {advantage['min']:+.3g}, "
-                      f"max {advantage['max']:+.3g})")
-        body = Text()
+            body.append(f" · advantage {advantage['mean']:+.3g} (min {advantage['min']:+.3g}, "
+                        f"max {advantage['max']:+.3g})")
+        body.append(f" · prompt {record['prompt_length']} tokens · response {record['response_length']} "
+                    f"({record['trained_tokens']} trained)\n", style=None)
         if record.get("text"):
-            body.append(record["prompt"], style="dim")
+            body.append("prompt   ", style="bold")
+            body.append(record["prompt"] + "\n", style="dim")
+            body.append("response ", style="bold")
             body.append(record["response"])
         else:
-            body.append(f"prompt ids {record['prompt_ids']}\n", style="dim")
-            body.append(f"response ids {record['response_ids']}\n(the backend gave no tokenizer: token ids)")
-        subtitle = (f"prompt {record['prompt_length']} tokens · response {record['response_length']} "
-                    f"({record['trained_tokens']} trained)")
-        console.print(Panel(body, title=title, subtitle=subtitle, title_align="left", subtitle_align="right"))
+            body.append("prompt   ", style="bold")
+            body.append(f"{record['prompt_ids']}\n", style="dim")
+            body.append("response ", style="bold")
+            body.append(f"{record['response_ids']}\n(token ids: the backend gave no tokenizer)")
+        console.print(Panel(body, title=title, title_align="left"))
 
 
 def _ranges(steps: list[int]) -> str:

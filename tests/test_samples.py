@@ -86,7 +86,7 @@ def test_agl_show_prints_a_step_and_says_what_is_missing(tmp_path):
     assert out.returncode == 0, out.stderr
     first = samples.read_step(run_dir / "samples" / "2.jsonl")[0]
     assert f"step 2 · rollout {first['rollout_id']}" in out.stdout and "2 of the 3 rows written" in out.stdout
-    assert "response ids" in out.stdout and "no tokenizer" in out.stdout
+    assert "response [" in out.stdout and "the backend gave no tokenizer" in out.stdout
     missing = subprocess.run([sys.executable, "-m", "agl_core.cli", "show", str(run_dir), "--step", "1"],
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "no samples of step 1 (nearest: 2; steps written: 2)" in missing.stderr
