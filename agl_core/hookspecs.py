@@ -36,7 +36,8 @@ chooses the slot's plugin). ``AGL_TRACE_HOOKS=1`` logs every call.
 
 What each hook returns is checked: a stage returning ``None``, an
 ``advantage`` without ``advantages`` of the responses' shape, … stop the run
-with an error naming the plugin, the hook and what was expected.
+with an error naming the plugin, the hook and what was expected; a wrapper
+that replaced a good result with a bad one is named instead of the plugin.
 
 Every hook is synchronous: an ``async def`` implementation is refused at load.
 Arguments are passed by keyword; an implementation may accept any subset of a

@@ -12,9 +12,8 @@ the run logged from that step on.
 
 from __future__ import annotations
 
-import math
-
 from agl_core import HOOK_API_VERSION, hookimpl
+from agl_core.trackers import chartable
 
 AGL_HOOK_API = HOOK_API_VERSION
 NAME = "tensorboard"
@@ -40,12 +39,9 @@ def on_train_start(ctx):
 @hookimpl
 def log_metrics(ctx, metrics, step):
     writer = writer_of(ctx)
-    for key, value in metrics.items():
-        if isinstance(value, bool) or not hasattr(value, "__float__"):
-            continue
-        value = float(value)
-        if math.isfinite(value):  # TensorBoard draws NaN/inf as gaps at best; JSONL keeps them as null
-            writer.add_scalar(key, value, step)
+    # TensorBoard draws NaN/inf as gaps at best; JSONL keeps them as null
+    for key, value in chartable(metrics).items():
+        writer.add_scalar(key, value, step)
     writer.flush()  # a killed run keeps every step it logged, as with the JSONL file
 
 

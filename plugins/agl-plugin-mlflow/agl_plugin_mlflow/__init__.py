@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from agl_core import HOOK_API_VERSION, hookimpl
+from agl_core.trackers import chartable, curves_png
 
 AGL_HOOK_API = HOOK_API_VERSION
 NAME = "mlflow"
@@ -67,22 +66,10 @@ class Tracker:
         if step <= self.last_step:
             return  # MLflow has this step from the process before this resume (see the module's docstring)
         now = int(time.time() * 1000)
-        values = [Metric(key, value, now, step) for key, value in numeric(metrics).items()]
+        values = [Metric(key, value, now, step) for key, value in chartable(metrics).items()]
         # The step's metrics and the tag that says they are there, in one request.
         self.client.log_batch(self.run_id, metrics=values, tags=[RunTag(LAST_STEP_TAG, str(step))])
         self.last_step = step
-
-
-def numeric(metrics: dict) -> dict[str, float]:
-    """The metrics MLflow can chart: finite numbers (what the JSONL file writes as null is left out)."""
-    out = {}
-    for key, value in metrics.items():
-        if isinstance(value, bool) or not hasattr(value, "__float__"):
-            continue
-        value = float(value)
-        if math.isfinite(value):
-            out[key] = value
-    return out
 
 
 def flatten(section: Any, prefix: str = "") -> dict[str, str]:
@@ -145,19 +132,8 @@ def on_train_end(ctx):
     if tracker is None:
         return
     try:
-        if ctx.plugin_config(NAME).plot:
-            log_curves(tracker, ctx.run_dir)
+        png = curves_png(ctx.run_dir, NAME) if ctx.plugin_config(NAME).plot else None
+        if png is not None:
+            tracker.client.log_artifact(tracker.run_id, str(png))
     finally:
         tracker.client.set_terminated(tracker.run_id)
-
-
-def log_curves(tracker: Tracker, run_dir: Path) -> None:
-    """``agl plot``'s PNG of the run as the artifact ``curves.png``; a warning if it cannot be drawn."""
-    from agl_core.plot import plot_run
-
-    try:
-        png = plot_run(run_dir)
-    except ValueError as exc:  # no metrics.jsonl: the jsonl logger was disabled
-        log.warning("mlflow: no curves to log: %s", exc)
-        return
-    tracker.client.log_artifact(tracker.run_id, str(png))

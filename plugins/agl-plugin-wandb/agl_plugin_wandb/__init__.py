@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from pathlib import Path
 from typing import Literal
@@ -32,6 +31,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from agl_core import HOOK_API_VERSION, hookimpl
+from agl_core.trackers import chartable, curves_png
 
 AGL_HOOK_API = HOOK_API_VERSION
 NAME = "wandb"
@@ -64,23 +64,11 @@ class Tracker:
     def log(self, metrics: dict, step: int) -> None:
         if step <= self.last_step:
             return  # W&B has this step from the process before this resume (see the module's docstring)
-        self.run.log(numeric(metrics), step=step)
+        self.run.log(chartable(metrics), step=step)
         self.last_step = step
         partial = self.progress.with_name(self.progress.name + ".partial")
         partial.write_text(json.dumps({"run_id": self.run.id, "last_step": step}))
         os.replace(partial, self.progress)
-
-
-def numeric(metrics: dict) -> dict[str, float]:
-    """The metrics W&B can chart: finite numbers (what the JSONL file writes as null is left out)."""
-    out = {}
-    for key, value in metrics.items():
-        if isinstance(value, bool) or not hasattr(value, "__float__"):
-            continue
-        value = float(value)
-        if math.isfinite(value):
-            out[key] = value
-    return out
 
 
 def last_step_sent(path: Path, run_id: str) -> int:
@@ -133,15 +121,11 @@ def on_train_end(ctx):
 
 
 def log_curves(run, run_dir: Path) -> None:
-    """``agl plot``'s PNG of the run as an artifact and the summary's image ``curves``; a warning if it cannot be drawn."""
+    """``agl plot``'s PNG of the run as an artifact and the summary's image ``curves``."""
     import wandb
 
-    from agl_core.plot import plot_run
-
-    try:
-        png = plot_run(run_dir)
-    except ValueError as exc:  # no metrics.jsonl: the jsonl logger was disabled
-        log.warning("wandb: no curves to log: %s", exc)
+    png = curves_png(run_dir, NAME)
+    if png is None:
         return
     artifact = wandb.Artifact(f"curves-{run.id}", type="plot")
     artifact.add_file(str(png))
