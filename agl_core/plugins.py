@@ -388,8 +388,12 @@ class PluginSet:
         is a :class:`PluginError` naming the plugin, the hook and what was
         expected.
         """
-        with self.inner_results.recording() as inner:
-            result = self.caller(hook, plugin)(**kwargs)
+        caller = self.caller(hook, plugin)
+        if hook in self.inner_results.hooks:
+            with self.inner_results.recording() as inner:
+                result = caller(**kwargs)
+        else:
+            result, inner = caller(**kwargs), []
         problem = result_problem(hook, result, kwargs)
         if problem is None:
             return result
@@ -505,6 +509,7 @@ class InnerResults:
     NAME = "agl_core.inner_results"
 
     def __init__(self, hooks: list[str]):
+        self.hooks = frozenset(hooks)
         self._local = threading.local()
         for hook in hooks:
             setattr(self, f"record_{hook}", hookimpl(wrapper=True, trylast=True, specname=hook)(self._recorder()))
