@@ -40,8 +40,7 @@ set up on its own.
 ``examples/guess_number/recipe_ray.yaml``: the same game with the agents,
 the store and the gateway in processes of their own. (In the trainer's
 process the rollout plane's Python shares the trainer's interpreter lock, and
-on 2 cores an asynchronous run of the default recipe gains little: see
-docs/async-figures.md.) ``--keep DIR`` keeps the runs' directories
+on 2 cores an asynchronous run of the default recipe gains little.) ``--keep DIR`` keeps the runs' directories
 (``metrics.jsonl``, logs) for a look at the ``async/…`` metrics.
 
     python benchmarks/bench_learning.py [--seeds 0 1 2] [--async K [--no-tis] [--async-set KEY=VALUE ...]]

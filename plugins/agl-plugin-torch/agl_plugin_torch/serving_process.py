@@ -5,8 +5,7 @@ the interpreter lock: a small model's forward pass is a hundred short
 kernels, torch lets go of the lock around each, and one of the rollout
 plane's threads (32 agents, the gateway, the store) takes it every time. A
 batch that computes for 10 ms then lasts ~50 ms, and generation — which
-waits on the engine — takes most of a step (docs/async-figures.md, "The
-policy endpoint in a process of its own"). In a process of its own the
+waits on the engine — takes most of a step (measured on the default recipe). In a process of its own the
 engine keeps its lock. It serves the very same weights: the trainer's
 process moves the served model's tensors to shared memory before the
 process starts, and a lock and the weights' version are shared too, so an

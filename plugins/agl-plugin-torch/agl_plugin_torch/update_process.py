@@ -3,7 +3,7 @@
 In the trainer's process the update's Python (the glue around a small
 model's kernels) shares the interpreter lock with the rollout plane's (agents,
 gateway, store, policy server): overlapping them, as asynchronous training
-means to, only takes turns on that lock (docs/async-figures.md). Here the
+means to, only takes turns on that lock. Here the
 log-prob passes and the updates run in a process of their own, on the very same
 weights: the actor's and the critic's tensors are moved to shared memory
 before the process starts, so the optimizer's in-place steps are what the
@@ -41,7 +41,7 @@ def start(parts: dict[str, Any], optimizer_states: dict[str, Any]) -> WorkerProc
 
     Not waited for: the process imports torch and builds its backend
     (seconds on a small CPU) while the first batch plays; the first call
-    waits for it (docs/async-figures.md).
+    waits for it.
     """
     return WorkerProcess("the torch update process", "agl-torch-update", build, parts, optimizer_states,
                          send_hint=SEND_HINT)

@@ -3,7 +3,7 @@
 On a CPU the trainer's process shares one interpreter lock between the
 rollout plane's Python (agents, gateway, store) and whatever else runs there;
 a small model's kernels are short, so work in that process mostly waits for
-the lock (docs/async-figures.md). The embedded backend moves its heavy
+the lock. The embedded backend moves its heavy
 parts into processes of their own: the update (:mod:`agl_plugin_torch.update_process`)
 and the policy endpoint (:mod:`agl_plugin_torch.serving_process`). Both share
 the weights with the trainer's process through shared memory, and only
