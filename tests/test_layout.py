@@ -48,17 +48,19 @@ ROOMS: list[tuple[str, list[str], set[str]]] = [
 OUTSIDE_ROOMS = {"agl_core._moved"}
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(REPO).with_suffix("").parts)
+def module_name(path: Path, base: Path) -> str:
+    parts = list(path.relative_to(base).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def modules() -> dict[str, Path]:
-    """Every module of agl_core (the plugin template's files are data, not modules)."""
-    found = {module_name(p): p for p in PACKAGE.rglob("*.py") if "templates" not in p.relative_to(PACKAGE).parts}
-    assert found, f"no modules under {PACKAGE}"
+def modules(package: Path | None = None) -> dict[str, Path]:
+    """Every module of the package (agl_core by default; the plugin template's files are data, not modules)."""
+    package = package or PACKAGE
+    found = {module_name(p, package.parent): p for p in package.rglob("*.py")
+             if "templates" not in p.relative_to(package).parts}
+    assert found, f"no modules under {package}"
     return found
 
 
@@ -81,13 +83,13 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> list[tuple[str, in
             for alias in node.names:
                 sub = f"{source}.{alias.name}"
                 found.append((sub if sub in known else source, node.lineno))
-    return [(target, line) for target, line in found
-            if (target == "agl_core" or target.startswith("agl_core.")) and target != name]
+    top = name.partition(".")[0]
+    return [(target, line) for target, line in found if (target == top or target.startswith(top + ".")) and target != name]
 
 
-def graph() -> dict[str, dict[str, int]]:
-    """Module → {module it imports: the line of the first such import}."""
-    known = modules()
+def graph(package: Path | None = None) -> dict[str, dict[str, int]]:
+    """Module → {module of the same package it imports: the line of the first such import}."""
+    known = modules(package)
     edges: dict[str, dict[str, int]] = {}
     for name, path in known.items():
         edges[name] = {}
@@ -111,8 +113,8 @@ def room_of(module: str) -> str | None:
     return best
 
 
-def where(module: str, line: int) -> str:
-    return f"{modules()[module].relative_to(REPO)}:{line}"
+def where(module: str, line: int, package: Path | None = None) -> str:
+    return f"{modules(package)[module].relative_to(REPO)}:{line}"
 
 
 def cycles(edges: dict[str, dict[str, int]]) -> list[list[str]]:
@@ -173,10 +175,15 @@ def test_every_module_is_in_a_room():
     assert not unplaced, f"modules in no room of tests/test_layout.py ROOMS (add them, and to the map): {unplaced}"
 
 
-def test_no_import_cycles():
-    edges = graph()
+PLUGIN_PACKAGES = sorted(p.parent for pattern in ("plugins/*/*/__init__.py", "examples/plugins/*/*/__init__.py")
+                         for p in REPO.glob(pattern) if p.parent.name != "tests")
+
+
+@pytest.mark.parametrize("package", [PACKAGE] + PLUGIN_PACKAGES, ids=lambda p: p.name)
+def test_no_import_cycles(package):
+    edges = graph(package)
     found = cycles(edges)
-    described = ["\n  ".join(f"{a} -> {b} ({where(a, edges[a][b])})" for a, b in zip(cycle, cycle[1:]))
+    described = ["\n  ".join(f"{a} -> {b} ({where(a, edges[a][b], package)})" for a, b in zip(cycle, cycle[1:]))
                  for cycle in found]
     assert not found, "import cycles:\n  " + "\n\n  ".join(described)
 
