@@ -25,8 +25,9 @@ ROOMS: list[tuple[str, list[str], set[str]]] = [
                   "agl_core.config", "agl_core.components", "agl_core.context", "agl_core.wiring",
                   "agl_core.timing", "agl_core.stop", "agl_core.batching", "agl_core.balance", "agl_core.metrics",
                   "agl_core.checkpoint", "agl_core.run_dir"], {"algorithms", "http rules"}),
-    ("http serving", ["agl_core.http_server", "agl_core.lean_server"], {"http rules", "contract"}),
-    ("rollout", ["agl_core.agents", "agl_core.store", "agl_core.tasks", "agl_core.runner", "agl_core.store_client",
+    # agl_core.http and agl_core.rollout: the packages of the layout (issue 43), their modules listed by name too
+    ("http serving", ["agl_core.http", "agl_core.http_server", "agl_core.lean_server"], {"http rules", "contract"}),
+    ("rollout", ["agl_core.rollout", "agl_core.agents", "agl_core.store", "agl_core.tasks", "agl_core.runner", "agl_core.store_client",
                  "agl_core.store_server", "agl_core.span_batcher", "agl_core.staleness"],
      {"http rules", "contract", "http serving"}),
     ("gateway", ["agl_core.gateway"], {"http rules", "contract", "http serving", "rollout"}),
