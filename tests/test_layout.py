@@ -221,6 +221,56 @@ def test_checker_sees_lazy_and_type_checking_imports(tmp_path, monkeypatch):
     assert cycles(edges) == [["agl_core.a", "agl_core.b", "agl_core.a"]]
 
 
+def moved_table() -> dict[str, str]:
+    """The old -> new names of moved modules (agl_core/_moved.py, written by the layout script with the move)."""
+    moved = pytest.importorskip("agl_core._moved", reason="the modules have not moved yet (no agl_core/_moved.py)")
+    return moved.MOVED
+
+
+def test_moved_modules_left_no_file_behind_and_are_not_imported_by_their_old_names():
+    moved = moved_table()
+    behind = [old for old in moved if (REPO / Path(*old.split("."))).with_suffix(".py").exists()]
+    assert not behind, f"files at old paths (the finder aliases them; a file there shadows the moved module): {behind}"
+    missing = [new for new in moved.values() if new not in modules()]
+    assert not missing, f"agl_core/_moved.py names modules that do not exist: {missing}"
+    old_users = [f"{where(name, line)}: {name} imports {target}, now {moved[target]}"
+                 for name, path in modules().items() for target, line in imports(name, path, {**modules(), **{
+                     old: path for old in moved}}) if target in moved]
+    assert not old_users, "imports by an old path:\n" + "\n".join(old_users)
+
+
+def test_old_paths_give_the_moved_module_with_a_deprecation_warning():
+    """In a fresh interpreter: each old name is the new module itself, warned about once; -W error makes it fail."""
+    import subprocess
+    import sys
+
+    moved = moved_table()
+    script = (
+        "import importlib, sys, warnings\n"
+        f"moved = {moved!r}\n"
+        "for old, new in moved.items():\n"
+        "    with warnings.catch_warnings(record=True) as caught:\n"
+        "        warnings.simplefilter('always')\n"
+        "        module = importlib.import_module(old)\n"
+        "        again = importlib.import_module(old)\n"
+        "    assert module is again is sys.modules[new], (old, module, sys.modules.get(new))\n"
+        "    messages = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]\n"
+        "    assert len(messages) == 1 and old in messages[0] and new in messages[0], (old, messages)\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    old = next(iter(moved))
+    strict = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", f"import {old}"],
+                            capture_output=True, text=True, cwd=REPO)
+    assert strict.returncode != 0 and "DeprecationWarning" in strict.stderr and moved[old] in strict.stderr
+    new = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c",
+                          "import sys\n" + "".join(f"import {n}\n" for n in moved.values()) +
+                          f"assert not set({list(moved)!r}) & set(sys.modules)"], capture_output=True, text=True,
+                         cwd=REPO)
+    assert new.returncode == 0, new.stderr
+
+
 def test_hook_context_names_what_train_context_offers():
     """The contract names ``ctx`` by a protocol (so it imports no module above it): it keeps up with TrainContext."""
     import dataclasses
