@@ -38,10 +38,11 @@ ROOMS: list[tuple[str, list[str], set[str]]] = [
      {"http rules", "contract", "http serving", "rollout", "gateway", "builtin plugins"}),
     ("loop", ["agl_core.loop"], {"algorithms", "contract", "rollout", "rollout services"}),
     ("testing", ["agl_core.testing", "agl_core.testing_endpoint"],
-     {"http rules", "contract", "http serving", "rollout", "public names", "loop"}),
-    ("cli", ["agl_core.cli", "agl_core.new_plugin", "agl_core.plot"],
-     {"http rules", "contract", "http serving", "rollout", "gateway", "public names", "builtin plugins",
+     {"algorithms", "http rules", "contract", "http serving", "rollout", "gateway", "public names", "builtin plugins",
       "rollout services", "loop"}),
+    ("cli", ["agl_core.cli", "agl_core.new_plugin", "agl_core.plot"],
+     {"algorithms", "http rules", "contract", "http serving", "rollout", "gateway", "public names",
+      "builtin plugins", "rollout services", "loop", "testing"}),
 ]
 
 # The deprecation table and finder of moved modules, imported first by agl_core/__init__.py: it imports nothing
