@@ -285,6 +285,15 @@ def test_hook_context_names_what_train_context_offers():
     offered = public({f.name for f in dataclasses.fields(TrainContext)} | set(vars(TrainContext)))
     named = public(set(HookContext.__annotations__) | set(vars(HookContext))) - {"_is_protocol"}
     assert offered == named, f"only TrainContext: {sorted(offered - named)}; only HookContext: {sorted(named - offered)}"
+    import inspect
+
+    from agl_core import hookspecs
+
+    hooks = {name: fn for name, fn in vars(hookspecs).items() if hasattr(fn, "agl_kind")}
+    other = {name: param.annotation for name, fn in hooks.items()
+             for param in inspect.signature(fn).parameters.values() if param.name == "ctx" and
+             param.annotation != "HookContext"}
+    assert hooks and not other, f"hooks whose ctx is not annotated HookContext: {other}"
 
 
 if __name__ == "__main__":
