@@ -45,19 +45,21 @@ hook's arguments, never one it does not declare.
 
 ``ctx`` is the :class:`agl_core.context.TrainContext` of the run: the validated
 recipe, the run directory, the step counters and the components registered by
-the active plugins.
+the active plugins. The hooks below name it by what it offers a hook
+(:class:`HookContext`): the context is built from the plugin set that this
+contract is loaded into, so the contract names no module above it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import pluggy
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
-    from agl_core.context import TrainContext
     from agl_core.data import Batch, Rollout, Task
 
 PROJECT = "agl"
@@ -84,6 +86,34 @@ def _kind(kind: str) -> Callable[[Callable], Callable]:
 
 
 slot, pipeline, broadcast = _kind(SLOT), _kind(PIPELINE), _kind(BROADCAST)
+
+
+class HookContext(Protocol):
+    """What a hook reads of ``ctx``: the run's :class:`agl_core.context.TrainContext`, which documents each field.
+
+    ``config`` is the validated recipe (:class:`agl_core.config.Recipe`),
+    ``plugins`` the run's :class:`agl_core.plugins.PluginSet`, ``components``
+    its :class:`agl_core.components.Components`.
+    """
+
+    config: Any
+    plugins: Any
+    components: Any
+    run_dir: Path
+    run_id: str | None
+    step: int
+    epoch: int
+    world_size: int
+    step_metrics: dict[str, float]
+    state: dict[str, Any]
+    slots: dict[str, tuple[str, Callable]]
+
+    @property
+    def purge_step(self) -> int: ...
+
+    def plugin_config(self, name: str) -> BaseModel: ...
+
+    def call(self, hook: str, **kwargs: Any) -> Any: ...
 
 
 # --------------------------------------------------------------------------
@@ -184,7 +214,7 @@ def register_actor_transforms(register: Callable[..., None], settings: BaseModel
 
 
 @broadcast
-def on_train_start(ctx: TrainContext) -> None:
+def on_train_start(ctx: HookContext) -> None:
     """The run begins: build models, start servers, open files.
 
     Kind: broadcast, called once before validation and the first step, after a
@@ -203,7 +233,7 @@ def on_train_start(ctx: TrainContext) -> None:
 
 
 @broadcast
-def on_train_end(ctx: TrainContext) -> None:
+def on_train_end(ctx: HookContext) -> None:
     """The run ends (also after an error): flush, stop servers, release memory.
 
     Kind: broadcast, called once; every implementation runs even when an
@@ -212,7 +242,7 @@ def on_train_end(ctx: TrainContext) -> None:
 
 
 @broadcast
-def on_step_start(ctx: TrainContext, step: int) -> None:
+def on_step_start(ctx: HookContext, step: int) -> None:
     """A training step begins. ``step`` counts from 1.
 
     Kind: broadcast. A backend wakes its rollout servers here if it sleeps them.
@@ -220,7 +250,7 @@ def on_step_start(ctx: TrainContext, step: int) -> None:
 
 
 @broadcast
-def on_step_end(ctx: TrainContext, step: int, metrics: dict[str, float]) -> None:
+def on_step_end(ctx: HookContext, step: int, metrics: dict[str, float]) -> None:
     """A training step finished; ``metrics`` is what will be logged for it.
 
     Kind: broadcast, called after validation of the step, before
@@ -236,7 +266,7 @@ def on_step_end(ctx: TrainContext, step: int, metrics: dict[str, float]) -> None
 
 
 @slot
-def policy_endpoints(ctx: TrainContext) -> list[str]:
+def policy_endpoints(ctx: HookContext) -> list[str]:
     """Return the base URLs of the OpenAI-compatible servers of the current policy.
 
     Kind: slot. Called by the rollout plane before it runs agents; a backend
@@ -245,7 +275,7 @@ def policy_endpoints(ctx: TrainContext) -> list[str]:
 
 
 @slot
-def collect_rollouts(ctx: TrainContext, tasks: list[Task], mode: str) -> list[Rollout]:
+def collect_rollouts(ctx: HookContext, tasks: list[Task], mode: str) -> list[Rollout]:
     """Run the agents on ``tasks`` against the current policy and return the finished rollouts.
 
     Kind: slot. ``mode`` is ``"train"`` (``rollout.n`` samples per task, for
@@ -257,7 +287,7 @@ def collect_rollouts(ctx: TrainContext, tasks: list[Task], mode: str) -> list[Ro
 
 
 @pipeline
-def post_process_batch(ctx: TrainContext, batch: Batch) -> Batch:
+def post_process_batch(ctx: HookContext, batch: Batch) -> Batch:
     """Turn rollouts into training rows, then filter them.
 
     Kind: pipeline. The first batch has no rows and carries the step's
@@ -277,7 +307,7 @@ def post_process_batch(ctx: TrainContext, batch: Batch) -> Batch:
 
 
 @slot
-def compute_old_logprob(ctx: TrainContext, batch: Batch) -> Batch:
+def compute_old_logprob(ctx: HookContext, batch: Batch) -> Batch:
     """Return ``batch`` with ``old_log_probs`` (and ``entropys``) of the responses under the current actor.
 
     Kind: slot. The batch is padded to a multiple of ``ctx.world_size``.
@@ -287,7 +317,7 @@ def compute_old_logprob(ctx: TrainContext, batch: Batch) -> Batch:
 
 
 @slot
-def compute_ref_logprob(ctx: TrainContext, batch: Batch) -> Batch:
+def compute_ref_logprob(ctx: HookContext, batch: Batch) -> Batch:
     """Return ``batch`` with ``ref_log_prob``: log-probs under the reference policy.
 
     Kind: slot. Called only when a KL term is used (``algorithm.use_kl_in_reward``
@@ -297,7 +327,7 @@ def compute_ref_logprob(ctx: TrainContext, batch: Batch) -> Batch:
 
 
 @slot
-def compute_values(ctx: TrainContext, batch: Batch) -> Batch:
+def compute_values(ctx: HookContext, batch: Batch) -> Batch:
     """Return ``batch`` with ``values`` from the critic, shape of ``responses``.
 
     Kind: slot. Called only when the estimator needs a critic (gae).
@@ -305,7 +335,7 @@ def compute_values(ctx: TrainContext, batch: Batch) -> Batch:
 
 
 @slot
-def advantage(ctx: TrainContext, batch: Batch) -> Batch:
+def advantage(ctx: HookContext, batch: Batch) -> Batch:
     """Return ``batch`` with ``advantages`` and ``returns`` (shape of ``responses``).
 
     Kind: slot. Called on the unpadded batch after ``token_level_rewards`` was
@@ -316,7 +346,7 @@ def advantage(ctx: TrainContext, batch: Batch) -> Batch:
 
 
 @slot
-def update_critic(ctx: TrainContext, batch: Batch) -> dict[str, float]:
+def update_critic(ctx: HookContext, batch: Batch) -> dict[str, float]:
     """Update the critic on ``batch``; return its metrics (``critic/vf_loss``, …).
 
     Kind: slot. Called only when the estimator needs a critic.
@@ -324,7 +354,7 @@ def update_critic(ctx: TrainContext, batch: Batch) -> dict[str, float]:
 
 
 @slot
-def update_actor(ctx: TrainContext, batch: Batch) -> dict[str, float]:
+def update_actor(ctx: HookContext, batch: Batch) -> dict[str, float]:
     """Update the actor on ``batch``; return its metrics (``actor/pg_loss``, …).
 
     Kind: slot. Called once ``trainer.critic_warmup`` steps have passed. The
@@ -334,7 +364,7 @@ def update_actor(ctx: TrainContext, batch: Batch) -> dict[str, float]:
 
 
 @slot
-def validate(ctx: TrainContext, tasks: list[Task]) -> dict[str, float]:
+def validate(ctx: HookContext, tasks: list[Task]) -> dict[str, float]:
     """Evaluate the current policy on the validation ``tasks``; return ``val/…`` metrics.
 
     Kind: slot. Called before training (``trainer.val_before_train``) and every
@@ -344,7 +374,7 @@ def validate(ctx: TrainContext, tasks: list[Task]) -> dict[str, float]:
 
 
 @broadcast
-def save_checkpoint(ctx: TrainContext, path: str) -> None:
+def save_checkpoint(ctx: HookContext, path: str) -> None:
     """Write this plugin's state (weights, optimizer, …) under the directory ``path``.
 
     Kind: broadcast. Called every ``trainer.save_freq`` steps and at the end.
@@ -354,7 +384,7 @@ def save_checkpoint(ctx: TrainContext, path: str) -> None:
 
 
 @broadcast
-def load_checkpoint(ctx: TrainContext, path: str) -> None:
+def load_checkpoint(ctx: HookContext, path: str) -> None:
     """Restore this plugin's state from the checkpoint directory ``path``.
 
     Kind: broadcast. Called once before ``on_train_start`` when resuming, with
@@ -365,7 +395,7 @@ def load_checkpoint(ctx: TrainContext, path: str) -> None:
 
 
 @broadcast
-def log_metrics(ctx: TrainContext, metrics: dict[str, Any], step: int) -> None:
+def log_metrics(ctx: HookContext, metrics: dict[str, Any], step: int) -> None:
     """Record the ``metrics`` of ``step`` (console, JSONL, TensorBoard, …).
 
     Kind: broadcast. Called once per step and once after the validation
@@ -382,7 +412,7 @@ def log_metrics(ctx: TrainContext, metrics: dict[str, Any], step: int) -> None:
 
 
 @broadcast
-def export_model(ctx: TrainContext, path: str, out: str, merged: bool) -> str | None:
+def export_model(ctx: HookContext, path: str, out: str, merged: bool) -> str | None:
     """Write the policy of the checkpoint directory ``path`` as a model others can load; return where.
 
     Kind: broadcast, called by ``agl export RUN_DIR`` (never during training)

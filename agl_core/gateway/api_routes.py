@@ -24,7 +24,7 @@ import asyncio
 import hmac
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -33,10 +33,9 @@ from agl_core.gateway import anthropic, responses
 from agl_core.gateway.capture import CHAT
 from agl_core.gateway.streaming import CallStream, Chunk, EventStreamResponse
 from agl_core.gateway.translate import require, upstream_error_message
+from agl_core.config import GatewayConfig
 from agl_core.http_rules import RequestError, check_bearer, error_response, parse_json_object, read_body
-
-if TYPE_CHECKING:
-    from agl_core.gateway.server import Gateway
+from agl_core.store import Store
 
 log = logging.getLogger("agl_core.gateway")
 
@@ -44,10 +43,26 @@ SWEEP_S = 10.0
 """How often the responses of ended attempts are looked for and dropped."""
 
 
+class ChatCalls(Protocol):
+    """What these routes use of the gateway (:class:`~agl_core.gateway.server.Gateway`, which imports this module).
+
+    ``call`` returns the gateway's ``Answer`` (its ``response`` parsed);
+    ``open_stream`` a :class:`~agl_core.gateway.streaming.CallStream`.
+    """
+
+    config: GatewayConfig
+    token: str | None
+    store: Store
+
+    async def call(self, rollout_id: str, attempt_id: str, endpoint: str, body: dict[str, Any]) -> Any: ...
+
+    async def open_stream(self, rollout_id: str, attempt_id: str, endpoint: str, body: dict[str, Any]) -> CallStream: ...
+
+
 class TranslatedApis:
     """The ``/v1/messages`` and ``/v1/responses`` endpoints of ``gateway``, and the responses kept for them."""
 
-    def __init__(self, gateway: Gateway, memory: responses.ResponseMemory | None = None):
+    def __init__(self, gateway: ChatCalls, memory: responses.ResponseMemory | None = None):
         self.gateway = gateway
         self.memory = memory or responses.ResponseMemory()
         self._sweeper: asyncio.Task | None = None

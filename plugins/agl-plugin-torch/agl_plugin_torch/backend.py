@@ -176,7 +176,7 @@ class Backend:
             self.critic.share_memory()
         parts = {"config": self.config, "source": self.source, "actor": self.actor, "tokenizer": self.tokenizer,
                  "critic": self.critic}
-        self.update_process = update_process.start(parts, self.optimizer_states())
+        self.update_process = update_process.start(Backend.for_training, parts, self.optimizer_states())
 
     def run(self, method: str, *args: Any) -> Any:
         """Call the training method ``method`` here, or in the update process when there is one."""

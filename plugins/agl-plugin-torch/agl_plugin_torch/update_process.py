@@ -26,6 +26,7 @@ those.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,26 +37,28 @@ from agl_plugin_torch.worker_process import WorkerProcess
 SEND_HINT = " (a policy loss must be a module-level function; or set plugins.torch.update_process: false)"
 
 
-def start(parts: dict[str, Any], optimizer_states: dict[str, Any]) -> WorkerProcess:
+def start(make_backend: Callable[..., Any], parts: dict[str, Any], optimizer_states: dict[str, Any]) -> WorkerProcess:
     """Spawn the update process over ``parts`` (a backend's config, source, shared models, tokenizer).
+
+    ``make_backend(**parts, generator=...)`` builds the process's backend
+    (``Backend.for_training``: passed in, so this module stands below the
+    backend that uses it).
 
     Not waited for: the process imports torch and builds its backend
     (seconds on a small CPU) while the first batch plays; the first call
     waits for it.
     """
-    return WorkerProcess("the torch update process", "agl-torch-update", build, parts, optimizer_states,
-                         send_hint=SEND_HINT)
+    return WorkerProcess("the torch update process", "agl-torch-update", build, make_backend, parts,
+                         optimizer_states, send_hint=SEND_HINT)
 
 
-def build(parts: dict[str, Any], optimizer_states: dict[str, Any]):
+def build(make_backend: Callable[..., Any], parts: dict[str, Any], optimizer_states: dict[str, Any]):
     """In the process: the backend over the shared models, with the optimizers' states loaded."""
-    from agl_plugin_torch.backend import Backend  # here: the backend module imports this one
-
     config: TorchConfig = parts["config"]
     if config.update_process_nice and hasattr(os, "nice"):
         os.nice(config.update_process_nice)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    backend = Backend.for_training(**parts, generator=torch.Generator())
+    backend = make_backend(**parts, generator=torch.Generator())
     backend.load_optimizer_states(optimizer_states)
     return backend, None

@@ -40,7 +40,7 @@ from verl.workers.engine.base import BaseEngineCtx
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
-from agl_plugin_verl.workers import BridgeMixin
+from agl_plugin_verl.bridge_worker import BridgeMixin
 
 STRATEGIES = ["fsdp", "fsdp2"]
 """verl strategy names the CPU engine answers for on a ``cpu`` device (verl's own engine has no CPU entry)."""

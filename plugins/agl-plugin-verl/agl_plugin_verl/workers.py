@@ -10,7 +10,8 @@ CI). That choice is the only difference between the two; everything else
 in this module is the same on both.
 
 Every worker class here installs agl_core's estimators and policy losses
-into verl's registries in its own process (:class:`BridgeMixin`).
+into verl's registries in its own process
+(:class:`~agl_plugin_verl.bridge_worker.BridgeMixin`).
 """
 
 from __future__ import annotations
@@ -21,36 +22,16 @@ from functools import partial
 from typing import Any
 
 import ray
-import torch
 from omegaconf import DictConfig
 
-from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
-from agl_core.config import AlgorithmConfig
-
-from agl_plugin_verl.bridge import Registrations, install, registered_names, verl_advantage
+from agl_plugin_verl.bridge import Registrations
+from agl_plugin_verl.bridge_worker import BridgeMixin
 
 log = logging.getLogger("agl_plugin_verl")
 
 CPU = "cpu"
-
-
-class BridgeMixin:
-    """Installs agl_core's components into verl's registries in the worker's process; two diagnostics."""
-
-    def install_bridge(self, registrations: Registrations | None) -> None:
-        self.agl_bridged = install(registrations or Registrations())
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def agl_registered_names(self) -> dict[str, list[str]]:
-        """The names in verl's estimator and policy-loss registries, as this worker process sees them."""
-        return registered_names()
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def agl_compute_advantage(self, data: Any, name: str, algorithm: dict[str, Any]) -> torch.Tensor:
-        """Advantages of ``data`` (a DataProto) by verl's ``compute_advantage`` with estimator ``name``, here."""
-        return verl_advantage(data, name, AlgorithmConfig(**algorithm)).batch["advantages"]
 
 
 class VerlActorRolloutRefWorker(BridgeMixin, ActorRolloutRefWorker):
