@@ -104,6 +104,7 @@ class HookContext(Protocol):
     step: int
     epoch: int
     world_size: int
+    tokenizer: Any
     step_metrics: dict[str, float]
     state: dict[str, Any]
     slots: dict[str, tuple[str, Callable]]

@@ -32,7 +32,8 @@ ROOMS: list[tuple[str, list[str], set[str]]] = [
      {"http rules", "contract", "http serving"}),
     ("gateway", ["agl_core.gateway"], {"http rules", "contract", "http serving", "rollout"}),
     ("public names", ["agl_core"], {"contract", "rollout"}),
-    ("builtin plugins", ["agl_core.builtin"],
+    # agl_core.plot and agl_core.trackers: the run's curves, which loggers send to trackers (agl_core.builtin after the move)
+    ("builtin plugins", ["agl_core.builtin", "agl_core.plot", "agl_core.trackers"],
      {"algorithms", "http rules", "contract", "http serving", "rollout", "gateway", "public names"}),
     ("rollout services", ["agl_core.runner_service", "agl_core.async_rollouts"],
      {"http rules", "contract", "http serving", "rollout", "gateway", "builtin plugins"}),
@@ -40,7 +41,7 @@ ROOMS: list[tuple[str, list[str], set[str]]] = [
     ("testing", ["agl_core.testing", "agl_core.testing_endpoint"],
      {"algorithms", "http rules", "contract", "http serving", "rollout", "gateway", "public names", "builtin plugins",
       "rollout services", "loop"}),
-    ("cli", ["agl_core.cli", "agl_core.new_plugin", "agl_core.plot"],
+    ("cli", ["agl_core.cli", "agl_core.new_plugin", "agl_core.show"],
      {"algorithms", "http rules", "contract", "http serving", "rollout", "gateway", "public names",
       "builtin plugins", "rollout services", "loop", "testing"}),
 ]
