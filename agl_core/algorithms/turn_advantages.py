@@ -169,8 +169,8 @@ def batch_calls(batch: Batch) -> BatchCalls:
 
     Rows without those columns (an aggregator that does not write them)
     are taken as one call each: its turn the row's ``turn_index`` (0 when
-    absent), its reward the row's summed scores, the rollout's. Without
-    ``rollout_id`` each row is a rollout of its own. With the KL penalty in
+    absent), its reward the row's summed scores, the rollout's. The rows
+    need ``uid`` and ``rollout_id`` (every aggregator writes them). With the KL penalty in
     the reward (``token_level_rewards`` differs from ``token_level_scores``),
     each call's ``kl`` is the penalty summed over its tokens.
     """
@@ -209,8 +209,7 @@ def batch_calls(batch: Batch) -> BatchCalls:
         penalty = (rewards - batch["token_level_scores"]).to(torch.float64)
         on_call = token_call >= 0
         kl.index_add_(0, token_call[on_call], penalty[on_call])
-    rollout_ids = batch["rollout_id"] if "rollout_id" in batch else np.arange(n)
-    rollout_of_row, n_rollouts = group_ids(rollout_ids)
+    rollout_of_row, n_rollouts = group_ids(batch["rollout_id"])
     rollout = rollout_of_row[rows]
     uid = np.asarray(batch["uid"])[row]
     group_of_row, _ = group_ids(batch["uid"])
