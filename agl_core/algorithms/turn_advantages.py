@@ -158,9 +158,9 @@ class BatchCalls:
     turn: torch.Tensor  # (K,) long: position in the trace
     rollout: torch.Tensor  # (K,) long: dense rollout id
     n_rollouts: int
-    rollout_group: torch.Tensor  # (n_rollouts,) long: dense id of the rollout's group (uid)
-    uid: np.ndarray  # (K,) object: the call's group
-    state_key: np.ndarray  # (K,) object: its state key or None
+    group: torch.Tensor  # (K,) long: dense id of the call's group (its row's ``uid``)
+    rollout_group: torch.Tensor  # (n_rollouts,) long: dense group id of each rollout
+    state: torch.Tensor  # (K,) long: dense id of the call's state key, -1 for a call without one
     token_call: torch.Tensor  # (B, T) long: index of each token's call, -1 for a token no call generated
 
 
@@ -170,49 +170,65 @@ def batch_calls(batch: Batch) -> BatchCalls:
     Rows without those columns (an aggregator that does not write them)
     are taken as one call each: its turn the row's ``turn_index`` (0 when
     absent), its reward the row's summed scores, the rollout's. The rows
-    need ``uid`` and ``rollout_id`` (every aggregator writes them). With the KL penalty in
-    the reward (``token_level_rewards`` differs from ``token_level_scores``),
-    each call's ``kl`` is the penalty summed over its tokens.
+    need ``uid`` and ``rollout_id`` (every aggregator writes them). With the
+    KL penalty in the reward (``token_level_rewards`` is not
+    ``token_level_scores``), each call's ``kl`` is the penalty summed over
+    its tokens. A token whose ``turn_ids`` names no call of its row is a
+    ValueError.
     """
     mask = batch["response_mask"]
     n = mask.shape[0]
     rewards = batch["token_level_rewards"]
+    scores = batch["token_level_scores"] if "token_level_scores" in batch else rewards
     if "call_turns" in batch and "turn_ids" in batch:
-        row, column = np.nonzero(batch["call_turns"] >= 0)  # row-major: by row, then call order
-        turn = torch.from_numpy(batch["call_turns"][row, column])
+        call_turns = batch["call_turns"]
+        row, column = np.nonzero(call_turns >= 0)  # row-major: by row, then call order
+        turn = torch.from_numpy(call_turns[row, column])
         reward = torch.from_numpy(batch["call_rewards"][row, column].astype(np.float64))
         own = torch.from_numpy(batch["call_reward_sources"][row, column] == REWARD_FROM_CALL)
-        state_key = batch["call_state_keys"][row, column]
-        turn_ids = batch["turn_ids"].long()
+        keys = batch["call_state_keys"][row, column]
+        turn_ids = batch["turn_ids"]
     else:
         row = np.arange(n)
         turn = torch.from_numpy(np.asarray(batch["turn_index"], dtype=np.int64)) if "turn_index" in batch \
             else torch.zeros(n, dtype=torch.long)
-        scores = batch["token_level_scores"] if "token_level_scores" in batch else rewards
+        call_turns = turn.numpy()[:, None]
         reward = scores.sum(-1, dtype=torch.float64)
         own = torch.zeros(n, dtype=torch.bool)
-        state_key = np.full(n, None, dtype=object)
-        turn_ids = torch.where(mask.bool(), turn[:, None], -1)
+        keys = np.full(n, None, dtype=object)
+        turn_ids = torch.where(mask.bool(), turn[:, None], -1).to(torch.int32)
     rows = torch.from_numpy(row)
-    # Each token's call: (row, turn) looked up among the calls' (row, turn), which are sorted.
-    span = int(max(int(turn.max()) if len(turn) else 0, int(turn_ids.max()) if turn_ids.numel() else 0)) + 1
-    call_key = rows * span + turn
-    token_key = torch.arange(n)[:, None] * span + turn_ids.clamp(min=0)
-    if len(call_key):
-        sorter = torch.argsort(call_key)
-        found = sorter[torch.searchsorted(call_key, token_key, sorter=sorter).clamp(max=len(call_key) - 1)]
-        token_call = torch.where((turn_ids >= 0) & (call_key[found] == token_key), found, -1)
-    else:
-        token_call = torch.full_like(turn_ids, -1)
+    token_call = _token_calls(call_turns, turn_ids)
     kl = torch.zeros(len(turn), dtype=torch.float64)
-    if "token_level_scores" in batch and len(turn):
-        penalty = (rewards - batch["token_level_scores"]).to(torch.float64)
+    if rewards.data_ptr() != scores.data_ptr() and len(turn):  # the KL penalty is in the reward
         on_call = token_call >= 0
-        kl.index_add_(0, token_call[on_call], penalty[on_call])
+        kl.index_add_(0, token_call[on_call], (rewards - scores).to(torch.float64)[on_call])
     rollout_of_row, n_rollouts = group_ids(batch["rollout_id"])
-    rollout = rollout_of_row[rows]
-    uid = np.asarray(batch["uid"])[row]
     group_of_row, _ = group_ids(batch["uid"])
     rollout_group = torch.zeros(n_rollouts, dtype=torch.long).index_copy_(0, rollout_of_row, group_of_row)
-    return BatchCalls(reward=reward, own=own, kl=kl, turn=turn, rollout=rollout, n_rollouts=n_rollouts,
-                      rollout_group=rollout_group, uid=uid, state_key=state_key, token_call=token_call)
+    keyed = np.flatnonzero(keys != None)  # noqa: E711 - elementwise over an object array
+    state = torch.full((len(turn),), -1, dtype=torch.long)
+    if len(keyed):
+        state[torch.from_numpy(keyed)] = group_ids(keys[keyed])[0]
+    return BatchCalls(reward=reward, own=own, kl=kl, turn=turn, rollout=rollout_of_row[rows], n_rollouts=n_rollouts,
+                      group=group_of_row[rows], rollout_group=rollout_group, state=state, token_call=token_call)
+
+
+def _token_calls(call_turns: np.ndarray, turn_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's call (B, T) long: its row's first call's index plus the column of ``call_turns`` (B, C)
+    that holds its turn id (one search per row over the row's few calls); -1 where ``turn_ids`` is -1."""
+    per_row = (call_turns >= 0).sum(1)
+    first = torch.from_numpy(np.cumsum(per_row) - per_row)
+    if call_turns.shape[1] == 0:
+        return torch.full(turn_ids.shape, -1, dtype=torch.long)
+    sorted_turns = torch.from_numpy(np.where(call_turns >= 0, call_turns, np.iinfo(np.int32).max).astype(np.int32))
+    turn_ids = turn_ids.to(torch.int32).contiguous()
+    column = torch.searchsorted(sorted_turns, turn_ids)
+    on_call = turn_ids >= 0
+    held = sorted_turns.gather(1, column.clamp(max=sorted_turns.shape[1] - 1))
+    missing = on_call & (held != turn_ids)
+    if bool(missing.any()):
+        bad_row = int(missing.any(1).nonzero()[0])
+        raise ValueError(f"row {bad_row}: turn_ids names a call that call_turns does not list "
+                         f"({sorted(set(turn_ids[bad_row][missing[bad_row]].tolist()))})")
+    return torch.where(on_call, first[:, None] + column, -1)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 from typing import Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from agl_core import HOOK_API_VERSION, hookimpl
@@ -90,17 +89,17 @@ def _report(ctx, metrics: dict[str, float]) -> None:
 
 def _gigpo(batch, config, ctx=None, *, settings: GiGPOConfig):
     calls, rank, length, reward = _step_inputs(batch)
-    keyed = np.flatnonzero(calls.state_key != None)  # noqa: E711 - elementwise over an object array
-    state_group = np.full(len(calls.state_key), -1, dtype=np.int64)
-    n_states = 0
-    if len(keyed):  # a step group: the calls of one task (uid) made in one state
-        dense, n_states = A.group_ids(list(zip(calls.uid[keyed].tolist(), calls.state_key[keyed].tolist())))
-        state_group[keyed] = dense.numpy()
-    advantage = T.gigpo(reward, calls.rollout, rank, calls.rollout_group, torch.from_numpy(state_group),
-                        calls.n_rollouts, length, config.gamma, step_weight=settings.step_weight,
-                        norm_by_std=settings.mode == "mean_std_norm", epsilon=settings.epsilon)
-    _report(ctx, {"advantage/calls": float(len(reward)), "advantage/calls_with_state_key": float(len(keyed)),
-                  "advantage/step_group_size_mean": len(keyed) / n_states if n_states else 0.0,
+    keyed = calls.state >= 0
+    # A step group: the calls of one group (task) made in one state.
+    state_group = torch.full_like(calls.state, -1)
+    state_group[keyed] = torch.unique(calls.group[keyed] * (int(calls.state.max()) + 1) + calls.state[keyed],
+                                      return_inverse=True)[1]
+    advantage = T.gigpo(reward, calls.rollout, rank, calls.rollout_group, state_group, calls.n_rollouts, length,
+                        config.gamma, step_weight=settings.step_weight, norm_by_std=settings.mode == "mean_std_norm",
+                        epsilon=settings.epsilon)
+    n_keyed, n_states = int(keyed.sum()), int(state_group.max()) + 1
+    _report(ctx, {"advantage/calls": float(len(reward)), "advantage/calls_with_state_key": float(n_keyed),
+                  "advantage/step_group_size_mean": n_keyed / n_states if n_states else 0.0,
                   "advantage/rollouts_outcome_only": float(calls.n_rollouts - _rollouts_with_own(calls))})
     advantages = T.to_tokens(advantage, calls.token_call, batch["response_mask"])
     return advantages, advantages
@@ -114,7 +113,7 @@ def _rollouts_with_own(calls) -> int:
 
 def _turn_grpo(batch, config, ctx=None):
     calls, rank, length, reward = _step_inputs(batch)
-    turn_group, _ = A.group_ids(list(zip(calls.uid.tolist(), rank.tolist())))
+    turn_group = torch.unique(calls.group * length + rank, return_inverse=True)[1]  # a task's t-th calls
     advantage = T.turn_grpo(reward, calls.rollout, rank, turn_group, calls.n_rollouts, length, config.gamma,
                             norm_by_std=config.norm_adv_by_std_in_grpo)
     _report(ctx, {"advantage/calls": float(len(reward)),
