@@ -182,11 +182,12 @@ def batch_calls(batch: Batch) -> BatchCalls:
     scores = batch["token_level_scores"] if "token_level_scores" in batch else rewards
     if "call_turns" in batch and "turn_ids" in batch:
         call_turns = batch["call_turns"]
-        row, column = np.nonzero(call_turns >= 0)  # row-major: by row, then call order
-        turn = torch.from_numpy(call_turns[row, column])
-        reward = torch.from_numpy(batch["call_rewards"][row, column].astype(np.float64))
-        own = torch.from_numpy(batch["call_reward_sources"][row, column] == REWARD_FROM_CALL)
-        keys = batch["call_state_keys"][row, column]
+        valid = call_turns >= 0  # boolean indexing reads the calls row by row, each row's in call order
+        row = np.repeat(np.arange(n), valid.sum(1))
+        turn = torch.from_numpy(call_turns[valid])
+        reward = torch.from_numpy(batch["call_rewards"][valid].astype(np.float64, copy=False))
+        own = torch.from_numpy(batch["call_reward_sources"][valid] == REWARD_FROM_CALL)
+        keys = batch["call_state_keys"][valid]
         turn_ids = batch["turn_ids"]
     else:
         row = np.arange(n)
@@ -204,31 +205,35 @@ def batch_calls(batch: Batch) -> BatchCalls:
         on_call = token_call >= 0
         kl.index_add_(0, token_call[on_call], (rewards - scores).to(torch.float64)[on_call])
     rollout_of_row, n_rollouts = group_ids(batch["rollout_id"])
-    group_of_row, _ = group_ids(batch["uid"])
-    rollout_group = torch.zeros(n_rollouts, dtype=torch.long).index_copy_(0, rollout_of_row, group_of_row)
+    # A rollout's rows share its uid: the groups are read off each rollout's first row.
+    first_row = torch.full((n_rollouts,), n, dtype=torch.long).scatter_reduce(0, rollout_of_row, torch.arange(n),
+                                                                               "amin")
+    rollout_group, _ = group_ids(np.asarray(batch["uid"])[first_row.numpy()])
+    rollout = rollout_of_row[rows]
     keyed = np.flatnonzero(keys != None)  # noqa: E711 - elementwise over an object array
     state = torch.full((len(turn),), -1, dtype=torch.long)
     if len(keyed):
         state[torch.from_numpy(keyed)] = group_ids(keys[keyed])[0]
-    return BatchCalls(reward=reward, own=own, kl=kl, turn=turn, rollout=rollout_of_row[rows], n_rollouts=n_rollouts,
-                      group=group_of_row[rows], rollout_group=rollout_group, state=state, token_call=token_call)
+    return BatchCalls(reward=reward, own=own, kl=kl, turn=turn, rollout=rollout, n_rollouts=n_rollouts,
+                      group=rollout_group[rollout], rollout_group=rollout_group, state=state, token_call=token_call)
 
 
 def _token_calls(call_turns: np.ndarray, turn_ids: torch.Tensor) -> torch.Tensor:
-    """Each token's call (B, T) long: its row's first call's index plus the column of ``call_turns`` (B, C)
-    that holds its turn id (one search per row over the row's few calls); -1 where ``turn_ids`` is -1."""
-    per_row = (call_turns >= 0).sum(1)
-    first = torch.from_numpy(np.cumsum(per_row) - per_row)
-    if call_turns.shape[1] == 0:
-        return torch.full(turn_ids.shape, -1, dtype=torch.long)
-    sorted_turns = torch.from_numpy(np.where(call_turns >= 0, call_turns, np.iinfo(np.int32).max).astype(np.int32))
-    turn_ids = turn_ids.to(torch.int32).contiguous()
-    column = torch.searchsorted(sorted_turns, turn_ids)
+    """Each token's call (B, T) long, -1 where ``turn_ids`` is -1: one gather from a (B, W) table of each row's
+    calls by turn id (offset by the row's first call's; W the widest span of turn ids in a row)."""
+    valid = call_turns >= 0
+    n = call_turns.shape[0]
+    first = np.where(valid.any(1), call_turns[:, 0], 0)
+    offset = (call_turns - first[:, None])[valid]
+    width = int(offset.max()) + 1 if len(offset) else 1
+    table = np.full((n, width), -1, dtype=np.int64)
+    table[np.repeat(np.arange(n), valid.sum(1)), offset] = np.arange(len(offset))
     on_call = turn_ids >= 0
-    held = sorted_turns.gather(1, column.clamp(max=sorted_turns.shape[1] - 1))
-    missing = on_call & (held != turn_ids)
+    relative = turn_ids - torch.from_numpy(first.astype(np.int32))[:, None]
+    call = torch.from_numpy(table).gather(1, relative.clamp(0, width - 1).long())
+    missing = on_call & ((call < 0) | (relative < 0) | (relative >= width))
     if bool(missing.any()):
         bad_row = int(missing.any(1).nonzero()[0])
         raise ValueError(f"row {bad_row}: turn_ids names a call that call_turns does not list "
                          f"({sorted(set(turn_ids[bad_row][missing[bad_row]].tolist()))})")
-    return torch.where(on_call, first[:, None] + column, -1)
+    return torch.where(on_call, call, -1)
