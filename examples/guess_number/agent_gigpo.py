@@ -18,11 +18,9 @@ and the validation reward. Rollout-level estimators train on that alone;
 
 from __future__ import annotations
 
-from openai import OpenAI
-
 from agl_core import agent, emit_reward, emit_state_key
 from agl_core.data import Task
-from examples.guess_number.agent import HTTP, Game, first_number
+from examples.guess_number.agent import first_number, start
 
 CLOSER = 0.2
 """Reward of an answer that misses the secret but comes closer to it than the agent's last number."""
@@ -32,10 +30,7 @@ CLOSER = 0.2
 def guess_number_per_turn(task: Task, llm) -> float:
     """Play one game, emitting each answer's state key and reward; 1.0 when the secret is found, else 0.0."""
     spec = task.input
-    game = Game(spec["low"], spec["high"], spec["secret"])
-    client = OpenAI(base_url=llm.base_url, api_key=llm.api_key, http_client=HTTP(), max_retries=0)
-    temperature = 0.0 if task.split == "val" else llm.sampling.get("temperature", 1.0)
-    messages = [{"role": "user", "content": game.prompt()}]
+    game, client, temperature, messages = start(task, llm)
     distance = game.high - game.low + 1  # farther than any number in the range
     for _ in range(spec["max_turns"]):
         emit_state_key(f"{game.low}-{game.high}")
