@@ -182,3 +182,25 @@ def test_an_estimator_gets_ctx_only_when_it_declares_it():
     assert ctx.step_metrics["advantage/calls"] == 7 and ctx.step_metrics["advantage/calls_with_state_key"] == 6
     assert ctx.step_metrics["advantage/step_group_size_mean"] == 2.0  # (t,s0) 2, (t,s1) 2, (u,s0) 2
     assert ctx.step_metrics["advantage/rollouts_outcome_only"] == 0
+
+
+def test_the_gigpo_recipe_trains_the_per_turn_game(tmp_path, monkeypatch):
+    """examples/guess_number/recipe_gigpo.yaml at reduced size: every answer has its reward and state key."""
+    import json
+    from pathlib import Path
+
+    from agl_core.cli import main
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)  # the recipe's paths are relative to the repository root
+    run_dir = tmp_path / "run"
+    assert main(["train", "examples/guess_number/recipe_gigpo.yaml", f"trainer.run_dir={run_dir}",
+                 "trainer.total_steps=1", "trainer.test_freq=1", "trainer.save_freq=0", "trainer.progress=false",
+                 "rollout.n=4", "algorithm.ppo_mini_batch_size=8"]) == 0
+    last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["rollout/n_succeeded"] == 28
+    assert last["advantage/calls"] == last["training/n_calls"] == last["training/n_call_rewards"]
+    assert last["advantage/calls_with_state_key"] == last["advantage/calls"]
+    assert last["advantage/rollouts_outcome_only"] == 0
+    assert last["advantage/step_group_size_mean"] >= 4  # the 4 games of a secret share their first state
+    assert 0 <= last["val/reward/mean"] <= 1
