@@ -234,9 +234,10 @@ def verl_policy_loss_for_agl(name: str) -> Callable:
 def _builtin_names(hook: str) -> set[str]:
     """Names the agl_core built-in plugin registers through ``hook`` (verl's versions are not added for those)."""
     from agl_core.builtin import estimators
+    from agl_core.plugins import call
 
     names: set[str] = set()
-    getattr(estimators, hook)(register=lambda name, obj, **options: names.add(name))
+    call(getattr(estimators, hook), {"register": lambda name, obj, **options: names.add(name), "settings": None})
     return names
 
 
