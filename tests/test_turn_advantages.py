@@ -204,3 +204,12 @@ def test_the_gigpo_recipe_trains_the_per_turn_game(tmp_path, monkeypatch):
     assert last["advantage/rollouts_outcome_only"] == 0
     assert last["advantage/step_group_size_mean"] >= 4  # the 4 games of a secret share their first state
     assert 0 <= last["val/reward/mean"] <= 1
+
+
+def test_a_token_of_a_call_the_row_does_not_list_is_an_error():
+    batch = rows(GAMES, "trajectory")
+    turn_ids = batch["turn_ids"].clone()
+    turn_ids[1, 0] = 7  # rollout b has calls 0, 1, 2
+    batch["turn_ids"] = turn_ids
+    with pytest.raises(ValueError, match=r"row 1: turn_ids names a call that call_turns does not list \(\[7\]\)"):
+        gigpo(batch, 1.0)
