@@ -6,8 +6,10 @@ An agent is a plain function, sync or async::
 
 It talks to ``llm.base_url`` with any OpenAI-compatible client (the official
 ``openai`` client unchanged) and returns its reward, or None. On the way it
-may call :func:`emit_reward` for intermediate rewards and
-:func:`emit_annotation` for anything worth keeping with the trace. Every
+may call :func:`emit_reward` for intermediate rewards (a reward rewards the
+model call before it), :func:`emit_state_key` to name the state its next
+model call is made in (step-level estimators compare calls made in the same
+state) and :func:`emit_annotation` for anything worth keeping with the trace. Every
 model call it makes is recorded by the gateway behind ``llm.base_url``.
 
 A recipe names the agent with ``rollout.agent``: ``package.module:function``,
@@ -41,6 +43,8 @@ if TYPE_CHECKING:  # agl_core.data imports torch; `import agl_core` stays light 
     from agl_core.store import Store
 
 ENTRY_POINT_GROUP = "agl_core.agents"
+STATE_KEY = "state_key"
+"""The annotation attribute (and triplet metadata key) that names the state of a model call."""
 
 T = TypeVar("T")
 
@@ -252,3 +256,20 @@ def emit_reward(value: float, **attributes: Any) -> None:
 def emit_annotation(**attributes: Any) -> None:
     """Record free-form information with the current rollout's trace (an ``annotation`` span)."""
     _emit("annotation", None, attributes)
+
+
+def emit_state_key(key: str) -> None:
+    """Name the state the agent's next model call is made in (an ``annotation`` span with ``state_key=key``).
+
+    Calls of the same task given the same key are taken to face the same
+    situation: step-level estimators (``gigpo``) compare their returns. Call
+    it before the model call, with what the agent knows at that point (a
+    hash of the observation, the board, the interval still open, ...). The
+    last key given before a call is that call's; a call given none has no
+    state key. Encode a structured state as text yourself
+    (``json.dumps(state, sort_keys=True)``).
+    """
+    if not isinstance(key, str):
+        raise TypeError(f"emit_state_key takes a str, got {type(key).__name__}; encode a structured state as text, "
+                        "e.g. json.dumps(state, sort_keys=True)")
+    _emit("annotation", None, {STATE_KEY: key})

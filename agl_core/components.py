@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from agl_core.plugins import Plugin, PluginError, PluginSet, call, did_you_mean
+from agl_core.plugins import Plugin, PluginError, PluginSet, accepts, call, did_you_mean
 
 REGISTRATION_HOOKS = {
     "estimator": "register_estimators",
@@ -116,6 +116,15 @@ def offered_names(plugin: Plugin, hook: str) -> list[str]:
     except Exception:  # noqa: BLE001 - a hint, never a new failure
         return []
     return names
+
+
+def call_estimator(component: Component, batch: Any, config: Any, ctx: Any = None) -> tuple[Any, Any]:
+    """Run estimator ``component`` as the ``advantage`` slot does: ``fn(batch, config)``, plus ``ctx=ctx`` when
+    the estimator declares a ``ctx`` parameter (hook API 1.3); its result checked by
+    :func:`checked_estimator_result`."""
+    fn = component.obj
+    result = fn(batch, config, ctx=ctx) if accepts(fn, "ctx") else fn(batch, config)
+    return checked_estimator_result(component, result, batch)
 
 
 def checked_estimator_result(component: Component, result: Any, batch: Any) -> tuple[Any, Any]:

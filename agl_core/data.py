@@ -27,7 +27,25 @@ else:  # imported on first use: the records need neither, and every plugin impor
     torch = LazyModule("torch", globals())
     tensordict = LazyModule("tensordict", globals())
 
-__all__ = ["Batch", "LogProbs", "Rollout", "Span", "Task", "TokenIds", "Triplet"]
+__all__ = ["CALL_COLUMNS", "REWARD_FROM_CALL", "REWARD_FROM_ROLLOUT", "Batch", "LogProbs", "Rollout", "Span", "Task",
+           "TokenIds", "Triplet"]
+
+# ---------------------------------------------------------------------------- per-call columns
+# What a row keeps of the model calls it was made of, for step-level credit (docs/credit-assignment.md).
+# ``turn_ids`` is a tensor of the responses' shape (int32): on each token a call generated, that call's position in
+# its rollout's trace (the ``turn_index`` of a row that starts with it); -1 on every other token (context between
+# calls, padding), so two calls with no token between them stay apart. The ``call_*`` columns are NumPy
+# ``(rows, C)`` arrays, C the most calls of one row in the batch (1 for one row per call); a row's calls fill its
+# first columns in call order, padding the rest:
+#   call_turns           int64   each call's position in its trace (its tokens' turn_ids); -1 on padding
+#   call_rewards         float64 the call's own reward (the reward spans that follow it) when it has one, else its
+#                                rollout's reward; NaN on padding
+#   call_reward_sources  str     where call_rewards comes from: REWARD_FROM_CALL or REWARD_FROM_ROLLOUT; "" on padding
+#   call_state_keys      object  the state key the agent gave the call (agl_core.emit_state_key), or None
+CALL_COLUMNS = ("call_turns", "call_rewards", "call_reward_sources", "call_state_keys")
+REWARD_FROM_CALL = "call"
+REWARD_FROM_ROLLOUT = "rollout"
+REWARD_SOURCE_DTYPE = np.dtype("<U7")
 
 
 # ---------------------------------------------------------------------------- records

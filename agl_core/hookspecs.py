@@ -63,12 +63,14 @@ if TYPE_CHECKING:
     from agl_core.data import Batch, Rollout, Task
 
 PROJECT = "agl"
-HOOK_API_VERSION = "1.2"
+HOOK_API_VERSION = "1.3"
 """Version of this contract, the string ``"MAJOR.MINOR"``. A plugin declares the
 version it was written against as ``AGL_HOOK_API``; the major numbers must match
 and the plugin's minor number may not be newer than the core's. 1.1 added
 ``register_actor_transforms`` and ``export_model``; 1.2 added the ``settings``
-argument of the ``register_*`` hooks."""
+argument of the ``register_*`` hooks; 1.3 added the ``ctx`` argument of
+estimators and the per-call columns of the aggregators' rows (``turn_ids``,
+``call_turns``, ``call_rewards``, ``call_reward_sources``, ``call_state_keys``)."""
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 
@@ -147,6 +149,18 @@ def register_estimators(register: Callable[..., None], settings: BaseModel | Non
     returns two ``(rows, response_length)`` tensors; anything else stops the
     run with an error naming the estimator and its plugin. A name registered
     by two plugins is an error naming both.
+
+    An estimator that declares a ``ctx`` parameter (``fn(batch, config,
+    ctx=None)``, hook API 1.3) is also given the run's context: it may report
+    metrics in ``ctx.step_metrics`` and read the recipe. Outside a run (verl's
+    workers, a benchmark) it is called without one, so give ``ctx`` a default.
+    Either way an estimator reads the step's data from the batch alone, never
+    from state kept between steps: a resumed run computes what an
+    uninterrupted one does. ``batch.meta["aggregator"]`` names the aggregator
+    that made the rows (``transition``, ``trajectory``). Step-level
+    estimators read the per-call columns (``turn_ids``, ``call_turns``,
+    ``call_rewards``, ``call_reward_sources``, ``call_state_keys``:
+    :data:`agl_core.data.CALL_COLUMNS`, docs/hooks.md).
 
     ``settings`` (every ``register_*`` hook has it) is this plugin's validated
     recipe section (the model of its ``plugin_config_schema``), or ``None``
@@ -299,8 +313,11 @@ def post_process_batch(ctx: HookContext, batch: Batch) -> Batch:
     non-tensor columns ``uid`` (the group of the row), ``rollout_id`` and
     ``turn_index``; optionally ``prompt_length`` and ``response_length``
     (the real tokens on either side, as the attention mask marks them: the
-    loop's metrics then read these instead of the mask); its batch is a new
-    one, whose ``meta`` no longer holds ``"rollouts"``. Later stages filter
+    loop's metrics then read these instead of the mask), and the per-call
+    columns step-level estimators read (``turn_ids`` and the ``call_*``
+    columns of :data:`agl_core.data.CALL_COLUMNS`), which agl-plugin-traces'
+    aggregators write; its batch is a new one, whose ``meta`` no longer holds
+    ``"rollouts"``. Later stages filter
     rows (zero-variance groups, rows per rollout, …) and return the batch; a
     stage that changes ``attention_mask`` updates or drops the length
     columns. Stages may report metrics in ``ctx.step_metrics``.

@@ -584,6 +584,15 @@ def _argnames(fn: Callable) -> frozenset[str]:
     return frozenset(inspect.signature(fn).parameters)
 
 
+def accepts(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` can be called with the keyword argument ``name`` (a parameter of that name, or ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: positional use only
+        return False
+    return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
 def call(fn: Callable, kwargs: dict[str, Any]) -> Any:
     """Call a hook implementation with the subset of ``kwargs`` it accepts.
 

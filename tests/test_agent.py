@@ -13,9 +13,9 @@ import torch
 
 import agl_core
 from agl_core.agents import (LLM, RolloutScope, agent, agent_name, as_reward, emit_annotation, emit_reward,
-                             load_agent, rollout_scope)
+                             emit_state_key, load_agent, rollout_scope)
 from agl_core.builtin.memory_store import MemoryStore
-from agl_core.data import Task
+from agl_core.data import Rollout, Task
 from agl_core.store import NewRollout
 
 AGENT_MODULE = """
@@ -140,6 +140,25 @@ def test_emit_records_spans_in_order_with_the_agent_name():
                                                                  (2, "reward", 1.0)]
     assert spans[0].attributes == {"agent_name": "guesser", "tool": "search", "hits": 3}
     assert spans[1].attributes["stage"] == "first" and spans[1].attempt_id == "1"
+
+
+def test_a_state_key_is_an_annotation_that_the_aggregators_attach_to_the_next_call():
+    from agl_plugin_traces.calls import TraceCounts, rollout_calls
+
+    store = MemoryStore()
+    store.enqueue([NewRollout("r", Task(id="t", input={}))])
+    attempt = store.dequeue("w", 30)
+    with rollout_scope(RolloutScope("r", attempt.attempt_id, store, "guesser")):
+        emit_state_key("1-7")
+        with pytest.raises(TypeError, match="takes a str.*json.dumps"):
+            emit_state_key(("1", "7"))
+    (span,) = store._entries["r"].spans
+    assert span.kind == "annotation" and span.attributes == {"agent_name": "guesser", "state_key": "1-7"}
+    call = span.model_copy(update={"kind": "llm_call", "sequence_id": 1, "attributes": {},
+                                   "prompt_token_ids": [1], "response_token_ids": [2]})
+    calls = rollout_calls(Rollout(rollout_id="r", task_id="t", status="succeeded", spans=[span, call]), TraceCounts())
+    assert [c.state_key for c in calls] == ["1-7"]
+    assert agl_core.emit_state_key is emit_state_key
 
 
 def test_an_agent_module_in_the_working_directory_is_found(tmp_path, monkeypatch):

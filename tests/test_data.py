@@ -469,3 +469,23 @@ def test_writing_a_column_of_a_lazy_batch_replaces_the_pending_one():
     batch["a"] = torch.tensor([7, 8])
     assert batch["a"].tolist() == [7, 8]
     assert Batch.concat([batch, batch])["a"].tolist() == [7, 8, 7, 8]
+
+
+def test_the_per_call_columns_follow_their_rows():
+    """(rows, C) NumPy call columns (NaN, "" and None pads) go with their rows through every row operation."""
+    from agl_core.data import CALL_COLUMNS
+
+    turns = np.array([[0, 1], [2, -1], [0, -1]])
+    batch = Batch(tensors={"turn_ids": torch.tensor([[0, 1], [2, -1], [0, 0]], dtype=torch.int32)},
+                  non_tensors={"call_turns": turns, "call_rewards": np.where(turns >= 0, 0.5, np.nan),
+                               "call_reward_sources": np.where(turns >= 0, "call", ""),
+                               "call_state_keys": np.array([["a", None], ["b", None], [None, None]], dtype=object)})
+    assert set(CALL_COLUMNS) <= set(batch.keys())
+    picked = batch.select([2, 0])
+    assert picked["call_turns"].tolist() == [[0, -1], [0, 1]] and picked["turn_ids"].tolist() == [[0, 0], [0, 1]]
+    assert picked["call_state_keys"].tolist() == [[None, None], ["a", None]]
+    padded, pad = batch.pad_to_divisor(2)
+    assert pad == 1 and padded.unpad(pad)["call_reward_sources"].tolist() == batch["call_reward_sources"].tolist()
+    both = Batch.concat([batch, batch])
+    assert both["call_rewards"].shape == (6, 2) and np.isnan(both["call_rewards"][4, 1])
+    assert batch.union(batch)["call_turns"] is turns  # NaN pads compare equal

@@ -24,12 +24,12 @@ TASKS = [Task(id="long", input={"prompt_ids": list(range(20))})] + [
 VAL = [Task(id=f"v{i}", input={"prompt_ids": [i]}) for i in range(3)]
 
 
-def trainer(make_recipe, overrides, tasks=TASKS, val=VAL, recorder=None, batch_size=6):
+def trainer(make_recipe, overrides, tasks=TASKS, val=VAL, recorder=None, batch_size=6, flags=("instant",)):
     base = ["plugins.instant.world_size=2", f"data.train_batch_size={batch_size}", "data.max_prompt_length=8",
             "data.max_response_length=4", "rollout.n=4", "algorithm.ppo_mini_batch_size=8",
             "trainer.val_before_train=false"]
     plugins = [("recorder", recorder)] if recorder else []
-    recipe, pset = make_recipe(base + list(overrides), plugins=plugins, flags=["instant"])
+    recipe, pset = make_recipe(base + list(overrides), plugins=plugins, flags=list(flags))
     return Trainer(recipe, pset, train_tasks=tasks, val_tasks=val)
 
 
@@ -157,6 +157,33 @@ def test_resume_continues_the_same_trajectory(make_recipe, tmp_path):
     for ma, mb in zip(a, b):
         assert comparable(ma) == comparable(mb)
     assert torch.equal(straight.ctx.state["instant"].logits, resumed.ctx.state["instant"].logits)
+
+
+@pytest.mark.parametrize("estimator", ["gigpo", "turn_grpo"])
+def test_resume_with_a_step_level_estimator_continues_the_same_trajectory(make_recipe, tmp_path, estimator):
+    """The step-level estimators keep nothing between steps: a resumed run repeats an uninterrupted one.
+    Rows of 3 calls each come from agl-plugin-traces' transition aggregator (the per-call columns)."""
+    recorder = BatchRecorder()
+    common = ["trainer.save_freq=2", f"algorithm.estimator={estimator}", "algorithm.gamma=0.9",
+              "plugins.instant.turns=3", "plugins.traces.aggregator=transition"]
+    flags = ("instant", "traces")
+    trainer(make_recipe, common + ["trainer.total_steps=4", f"trainer.run_dir={tmp_path / 'a'}"],
+            recorder=recorder, flags=flags).fit()
+    trainer(make_recipe, common + ["trainer.total_steps=2", f"trainer.run_dir={tmp_path / 'b'}"], flags=flags).fit()
+    trainer(make_recipe, common + ["trainer.total_steps=4", f"trainer.run_dir={tmp_path / 'b'}"], flags=flags).fit()
+
+    batch = recorder.batches[0]
+    assert batch.meta["aggregator"] == "transition" and "turn_ids" in batch and "call_turns" in batch
+    assert batch["advantages"].abs().sum() > 0  # the estimator gave credit
+
+    def comparable(m):
+        return {k: v for k, v in m.items() if not k.startswith(("timing", "perf"))}
+
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert [m["step"] for m in b] == [1, 2, 3, 4]
+    assert "advantage/calls" in a[0]  # reported through ctx
+    for ma, mb in zip(a, b):
+        assert comparable(ma) == comparable(mb)
 
 
 class Sequence:

@@ -1,19 +1,47 @@
 """Built-in plugin ``estimators``: the advantage estimators, the PPO loss, and the ``advantage`` slot.
 
 The math is in :mod:`agl_core.algorithms`; this module adapts it to the
-estimator signature ``fn(batch, config) -> (advantages, returns)``.
+estimator signature ``fn(batch, config) -> (advantages, returns)``, or
+``fn(batch, config, ctx)`` for the step-level ones (``gigpo``, ``turn_grpo``),
+which report their groups in the step's metrics.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
 from agl_core import HOOK_API_VERSION, hookimpl
-from agl_core.components import checked_estimator_result
+from agl_core.components import call_estimator
 from agl_core.lazy_import import LazyModule
 
 AGL_HOOK_API = HOOK_API_VERSION
 # The math imports torch: imported when an estimator or the loss first runs, not with the plugin.
 A = LazyModule("agl_core.algorithms.advantages", globals(), "A")
+T = LazyModule("agl_core.algorithms.turn_advantages", globals(), "T")
 losses = LazyModule("agl_core.algorithms.losses", globals())
+torch = LazyModule("torch", globals())
+
+
+class GiGPOConfig(BaseModel):
+    """``plugins.estimators.gigpo``: GiGPO's own settings (its discount is ``algorithm.gamma``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    step_weight: float = Field(1.0, ge=0, description="omega: weight of the step-level advantage against the "
+                                                      "episode-level one (A = A_episode + omega * A_step)")
+    mode: Literal["mean_norm", "mean_std_norm"] = Field(
+        "mean_norm", description="mean_norm: advantages are centred within their groups; mean_std_norm: also "
+                                 "divided by the group's std (verl-agent's algorithm.gigpo.mode)")
+    epsilon: float = Field(1e-6, gt=0, description="added to a group's std before dividing by it")
+
+
+class EstimatorsConfig(BaseModel):
+    """The recipe section ``plugins.estimators`` of the built-in estimators."""
+
+    model_config = ConfigDict(extra="forbid")
+    gigpo: GiGPOConfig = Field(default_factory=GiGPOConfig)
 
 
 def _gae(batch, config):
@@ -46,8 +74,62 @@ def _remax(batch, config):
     return A.remax(batch["token_level_rewards"], batch["reward_baselines"], batch["response_mask"])
 
 
+def _step_inputs(batch):
+    """The calls of ``batch``, their ranks within their rollouts, and their rewards r_t (KL penalty included)."""
+    calls = T.batch_calls(batch)
+    rank, length = T.call_ranks(calls.rollout, calls.turn)
+    reward = T.per_call_rewards(calls.reward, calls.own, calls.rollout, rank, calls.n_rollouts) + calls.kl
+    return calls, rank, length, reward
+
+
+def _report(ctx, metrics: dict[str, float]) -> None:
+    if ctx is not None:
+        ctx.step_metrics.update(metrics)
+
+
+def _gigpo(batch, config, ctx=None, *, settings: GiGPOConfig):
+    calls, rank, length, reward = _step_inputs(batch)
+    keyed = calls.state >= 0
+    # A step group: the calls of one group (task) made in one state.
+    state_group = torch.full_like(calls.state, -1)
+    state_group[keyed] = torch.unique(calls.group[keyed] * (int(calls.state.max()) + 1) + calls.state[keyed],
+                                      return_inverse=True)[1]
+    advantage = T.gigpo(reward, calls.rollout, rank, calls.rollout_group, state_group, calls.n_rollouts, length,
+                        config.gamma, step_weight=settings.step_weight, norm_by_std=settings.mode == "mean_std_norm",
+                        epsilon=settings.epsilon)
+    n_keyed, n_states = int(keyed.sum()), int(state_group.max()) + 1
+    _report(ctx, {"advantage/calls": float(len(reward)), "advantage/calls_with_state_key": float(n_keyed),
+                  "advantage/step_group_size_mean": n_keyed / n_states if n_states else 0.0,
+                  "advantage/rollouts_outcome_only": float(calls.n_rollouts - _rollouts_with_own(calls))})
+    advantages = T.to_tokens(advantage, calls.token_call, batch["response_mask"])
+    return advantages, advantages
+
+
+def _rollouts_with_own(calls) -> int:
+    """Rollouts with at least one call that has its own reward (the others fall back to their outcome)."""
+    return int(torch.zeros(calls.n_rollouts, dtype=torch.bool).index_put_((calls.rollout,), calls.own,
+                                                                           accumulate=True).sum())
+
+
+def _turn_grpo(batch, config, ctx=None):
+    calls, rank, length, reward = _step_inputs(batch)
+    turn_group = torch.unique(calls.group * length + rank, return_inverse=True)[1]  # a task's t-th calls
+    advantage = T.turn_grpo(reward, calls.rollout, rank, turn_group, calls.n_rollouts, length, config.gamma,
+                            norm_by_std=config.norm_adv_by_std_in_grpo)
+    _report(ctx, {"advantage/calls": float(len(reward)),
+                  "advantage/rollouts_outcome_only": float(calls.n_rollouts - _rollouts_with_own(calls))})
+    advantages = T.to_tokens(advantage, calls.token_call, batch["response_mask"])
+    return advantages, advantages
+
+
 @hookimpl
-def register_estimators(register):
+def plugin_config_schema():
+    return EstimatorsConfig
+
+
+@hookimpl
+def register_estimators(register, settings):
+    settings = settings or EstimatorsConfig()  # None: the plugin set was loaded without a recipe
     register("gae", _gae, needs_critic=True)
     register("grpo", _grpo)
     register("grpo_passk", _grpo_passk)
@@ -55,6 +137,8 @@ def register_estimators(register):
     register("reinforce_plus_plus", _reinforce_plus_plus)
     register("reinforce_plus_plus_baseline", _reinforce_plus_plus_baseline)
     register("remax", _remax)
+    register("gigpo", functools.partial(_gigpo, settings=settings.gigpo))
+    register("turn_grpo", _turn_grpo)
 
 
 @hookimpl
@@ -79,5 +163,5 @@ def vanilla_policy_loss(old_log_prob, log_prob, advantages, response_mask, confi
 def advantage(ctx, batch):
     config = ctx.config.algorithm
     estimator = ctx.components.get("estimator", config.estimator)
-    batch["advantages"], batch["returns"] = checked_estimator_result(estimator, estimator.obj(batch, config), batch)
+    batch["advantages"], batch["returns"] = call_estimator(estimator, batch, config, ctx)
     return batch

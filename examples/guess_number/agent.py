@@ -63,14 +63,20 @@ class Game:
         return f"lower , from {self.low} to {self.high}"
 
 
-@agent("guess_number")
-def guess_number(task: Task, llm) -> float:
-    """Play one game; 1.0 when the secret is found within ``max_turns`` answers, else 0.0."""
+def start(task: Task, llm) -> tuple[Game, OpenAI, float, list[dict]]:
+    """A new game of ``task``: the game, a client of ``llm``, the temperature (0 for validation), the first message."""
     spec = task.input
     game = Game(spec["low"], spec["high"], spec["secret"])
     client = OpenAI(base_url=llm.base_url, api_key=llm.api_key, http_client=HTTP(), max_retries=0)
     temperature = 0.0 if task.split == "val" else llm.sampling.get("temperature", 1.0)
-    messages = [{"role": "user", "content": game.prompt()}]
+    return game, client, temperature, [{"role": "user", "content": game.prompt()}]
+
+
+@agent("guess_number")
+def guess_number(task: Task, llm) -> float:
+    """Play one game; 1.0 when the secret is found within ``max_turns`` answers, else 0.0."""
+    spec = task.input
+    game, client, temperature, messages = start(task, llm)
     for _ in range(spec["max_turns"]):
         reply = client.chat.completions.create(model=llm.model, messages=messages, temperature=temperature,
                                                max_tokens=spec["max_tokens"])

@@ -12,10 +12,13 @@ copy their raw buffers (``.packed``), with no Python object per token.
 from __future__ import annotations
 
 import bisect
+import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from operator import attrgetter
+from typing import Any
 
+from agl_core.agents import STATE_KEY
 from agl_core.data import LogProbs, Rollout, TokenIds, Triplet
 
 
@@ -27,7 +30,9 @@ class Call:
     sequence id, skipped calls included (a triplet's own ``turn_index``), so it
     names the same call in the trace whatever was skipped before it.
     ``reward`` is the call's own reward, the sum of the reward spans attached
-    to it, or None when the agent emitted none for it.
+    to it, or None when the agent emitted none for it. ``state_key`` is the
+    state the agent said the call was made in (:func:`agl_core.agents.emit_state_key`),
+    or None.
     """
 
     prompt_ids: TokenIds
@@ -36,6 +41,7 @@ class Call:
     turn: int
     reward: float | None = None
     agent_name: str | None = None
+    state_key: str | None = None
 
 
 @dataclass
@@ -92,46 +98,54 @@ def rollout_calls(rollout: Rollout, counts: TraceCounts) -> list[Call]:
     request (``attributes["choice_index"]`` 1, 2, …), which are samples.
     A ``reward`` span rewards the closest preceding ``llm_call`` span; when that
     call was skipped, its reward is counted as unattached. Several rewards of
-    one call add up.
+    one call add up. An ``annotation`` span with a ``state_key`` attribute
+    (:func:`agl_core.agents.emit_state_key`) names the state of the next
+    ``llm_call`` span (the last such annotation before the call wins); a retry
+    keeps the state key of the call it replaces unless it was given its own.
 
     A rollout that carries ``triplets`` and no ``llm_call`` spans is taken as
     it is: one call per triplet, in the given order, ``Triplet.reward`` as the
     call's reward.
     """
-    llm, rewards = [], []
+    llm, rewards, states = [], [], []
     for span in rollout.spans:
         kind = span.kind
         if kind == "llm_call":
             llm.append(span)
         elif kind == "reward" and span.reward is not None:
             rewards.append(span)
+        elif kind == "annotation" and span.attributes.get(STATE_KEY) is not None:
+            states.append(span)
     llm.sort(key=_by_sequence)
     if not llm and rollout.triplets:
         counts.kept += len(rollout.triplets)
         return [Call(_token_ids(t.prompt_ids), _token_ids(t.response_ids), _logprobs(t.response_logprobs),
-                     t.turn_index, t.reward, t.metadata.get("agent_name")) for t in rollout.triplets]
+                     t.turn_index, t.reward, t.metadata.get("agent_name"), state_key_text(t.metadata.get(STATE_KEY)))
+                for t in rollout.triplets]
+    sequence_ids = [s.sequence_id for s in llm]
+    # A state key names the state of the next call: the last one given before it (and after the call before it).
+    state_keys: dict[int, str] = {}
+    for span in sorted(states, key=_by_sequence):
+        state_keys[bisect.bisect_right(sequence_ids, span.sequence_id)] = state_key_text(span.attributes[STATE_KEY])
 
     calls: list[Call | None] = []
     same_length: dict[int, list[int]] = {}  # prompt length -> indices of the kept calls with a prompt that long
     for turn, span in enumerate(llm):
         attributes = span.attributes
-        if attributes and attributes.get("incomplete"):
-            counts.incomplete += 1
-            calls.append(None)
-            continue
-        if attributes and attributes.get("error"):
-            counts.error += 1
-            calls.append(None)
-            continue
         prompt, response = span.prompt_token_ids, span.response_token_ids
         if type(prompt) is not TokenIds:
             prompt = TokenIds(prompt)
         if type(response) is not TokenIds:
             response = TokenIds(response)
         packed = prompt.packed
-        if not packed or not response.packed:
-            counts.empty += 1
+        skipped = ("incomplete" if attributes and attributes.get("incomplete")
+                   else "error" if attributes and attributes.get("error")
+                   else "empty" if not packed or not response.packed else None)
+        if skipped is not None:
+            setattr(counts, skipped, getattr(counts, skipped) + 1)
             calls.append(None)
+            if turn in state_keys:  # the call that follows a failed one (its retry) is made in the same state
+                state_keys.setdefault(turn + 1, state_keys[turn])
             continue
         # A retry re-sends the same prompt: the later call replaces the earlier one.
         # The length only narrows the candidates; equal prompts are confirmed by comparing the buffers.
@@ -141,6 +155,8 @@ def rollout_calls(rollout: Rollout, counts: TraceCounts) -> list[Call]:
         else:
             if not (attributes and attributes.get("choice_index")):  # choices 1, 2, ... of a request are samples
                 for earlier in [i for i in candidates if calls[i].prompt_ids.packed == packed]:
+                    # A retry is made in the state of the call it repeats, unless the agent named another.
+                    state_keys.setdefault(turn, calls[earlier].state_key)
                     calls[earlier] = None
                     candidates.remove(earlier)
                     counts.retried += 1
@@ -149,10 +165,9 @@ def rollout_calls(rollout: Rollout, counts: TraceCounts) -> list[Call]:
         if logprobs is not None and type(logprobs) is not LogProbs:
             logprobs = LogProbs(logprobs)
         calls.append(Call(prompt, response, logprobs, turn, None,
-                          attributes.get("agent_name") if attributes else None))
+                          attributes.get("agent_name") if attributes else None, state_keys.get(turn)))
 
     if rewards:
-        sequence_ids = [s.sequence_id for s in llm]
         for span in rewards:
             target = bisect.bisect_right(sequence_ids, span.sequence_id) - 1
             call = calls[target] if target >= 0 else None
@@ -165,6 +180,20 @@ def rollout_calls(rollout: Rollout, counts: TraceCounts) -> list[Call]:
     kept = [c for c in calls if c is not None]
     counts.kept += len(kept)
     return kept
+
+
+def call_columns(call: Call, rollout_reward: float) -> dict[str, Any]:
+    """What the per-call columns keep of ``call`` (:meth:`RowBuilder.add_turn`'s keywords)."""
+    own = call.reward is not None
+    return {"turn": call.turn, "call_reward": call.reward if own else rollout_reward, "own_reward": own,
+            "state_key": call.state_key}
+
+
+def state_key_text(key: Any) -> str | None:
+    """A state key as the rows hold it: a string as it is, any other JSON value as its canonical JSON text."""
+    if key is None or isinstance(key, str):
+        return key
+    return json.dumps(key, sort_keys=True, separators=(",", ":"))
 
 
 def rollout_reward(rollout: Rollout, missing_reward: float | None) -> float | None:
@@ -197,7 +226,8 @@ def to_triplets(rollout: Rollout, missing_reward: float | None = 0.0) -> list[Tr
 
     A triplet's reward is the call's own reward where the agent emitted one
     (``metadata["reward_source"] == "call"``), else the rollout's reward
-    (``"rollout"``). The triplets hold lists, as :class:`~agl_core.data.Triplet` declares.
+    (``"rollout"``); ``metadata["state_key"]`` is the call's state key. The
+    triplets hold lists, as :class:`~agl_core.data.Triplet` declares.
     """
     final = rollout_reward(rollout, missing_reward)
     triplets = []
@@ -208,5 +238,6 @@ def to_triplets(rollout: Rollout, missing_reward: float | None = 0.0) -> list[Tr
             prompt_ids=call.prompt_ids.tolist(), response_ids=call.response_ids.tolist(),
             response_logprobs=None if call.logprobs is None else call.logprobs.tolist(),
             reward=call.reward if own else final, rollout_id=rollout.rollout_id, turn_index=call.turn,
-            metadata={"agent_name": call.agent_name, "reward_source": "call" if own else "rollout"}))
+            metadata={"agent_name": call.agent_name, "reward_source": "call" if own else "rollout",
+                      STATE_KEY: call.state_key}))
     return triplets

@@ -2,7 +2,8 @@
 
 * ``post_process_batch`` (``AGL_ORDER = 5``, before any backend's stage):
   turns the step's rollouts into rows with the aggregator the recipe names
-  (``plugins.traces.aggregator``), then applies the filters it switches on.
+  (``plugins.traces.aggregator``, recorded in ``batch.meta["aggregator"]``),
+  then applies the filters it switches on.
 * ``register_aggregators``: ``transition`` and ``trajectory``. An aggregator is
   ``fn(ctx, rollouts) -> Batch`` and reports its metrics in
   ``ctx.step_metrics``; another plugin may register more and a recipe pick them.
@@ -115,6 +116,7 @@ def post_process_batch(ctx, batch):
     if "rollouts" in batch.meta and "input_ids" not in batch:
         aggregate = ctx.components.get("aggregator", cfg.aggregator).obj
         batch = aggregate(ctx, batch.meta["rollouts"])
+        batch.meta["aggregator"] = cfg.aggregator  # estimators see how the rows were made
     if cfg.drop_zero_variance_groups and len(batch):
         batch, metrics = drop_zero_variance_groups(batch)
         ctx.step_metrics.update(metrics)

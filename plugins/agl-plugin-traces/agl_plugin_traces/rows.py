@@ -26,19 +26,20 @@ rollouts in Python on the other core.
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from agl_core.data import Batch, LogProbs, TokenIds
+from agl_core.data import REWARD_FROM_CALL, REWARD_FROM_ROLLOUT, REWARD_SOURCE_DTYPE, Batch, LogProbs, TokenIds
 
 from agl_plugin_traces.reservation import Reservation
 
 _ORDER = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask",
           "token_level_scores", "is_drop_mask", "rollout_log_probs", "prompt_length",
-          "response_length")  # the order of the batch's tensors
+          "response_length", "turn_ids")  # the order of the batch's tensors
 _HEADROOM = 8  # a reservation for n rows holds n + n // _HEADROOM: rows a rollout adds (prefix breaks) still fit
 
 
@@ -55,6 +56,8 @@ class _Layout:
     score_value: np.ndarray
     truncated: int
     logprobs_known: bool
+    row_of_turn: np.ndarray  # per turn: its row among all rows
+    new_row: np.ndarray  # per row: its index among the kept rows (meaningless for dropped rows)
 
 
 class RowBuilder:
@@ -72,7 +75,13 @@ class RowBuilder:
         self.observation: list[int] = []
         self.response: list[int] = []
         self.logprobs: list[bytes | None] = []  # packed
-        self.call_rewards: list[tuple[int, float]] = []  # (turn, the call's own reward)
+        self.call_rewards: list[tuple[int, float]] = []  # (turn, the reward placed on the call's last token)
+        # Per turn, what the per-call columns hold: the call's position in its trace (-1: not a call, the overflow
+        # of a prompt), its reward (its own, else its rollout's), where that came from, its state key.
+        self.call_turn: list[int] = []
+        self.call_reward: list[float] = []
+        self.call_reward_own: list[bool] = []
+        self.call_state_key: list[str | None] = []
         # Per row. The prompt: ``prompt_len`` ids of ``prompt_src`` (the packed prompt of the row's first call)
         # from id ``prompt_from``. The response: a window of the row's last call's prompt (``context_prompt``)
         # + response (``context_response``) from id ``window``. Its turns: ``first_turn`` up to the next row's.
@@ -107,7 +116,8 @@ class RowBuilder:
         P, R = self.P, self.R
         return {"input_ids": (P + R, torch.int64), "attention_mask": (P + R, torch.int64),
                 "position_ids": (P + R, torch.int64), "response_mask": (R, torch.int64),
-                "token_level_scores": (R, torch.float32), "rollout_log_probs": (R, torch.float32)}
+                "token_level_scores": (R, torch.float32), "rollout_log_probs": (R, torch.float32),
+                "turn_ids": (R, torch.int32)}
 
     def _outputs(self, n: int) -> dict[str, torch.Tensor]:
         """Uninitialised output tensors for the batch's ``n`` rows: the reserved ones when they fit, else fresh."""
@@ -147,11 +157,16 @@ class RowBuilder:
             self.add_turn(n - P, 0, None)
 
     def add_turn(self, observation_length: int, response_length: int, logprobs: LogProbs | None,
-                 reward: float | None = None) -> None:
+                 reward: float | None = None, *, turn: int = -1, call_reward: float = math.nan,
+                 own_reward: bool = False, state_key: str | None = None) -> None:
         """Add one call to the open row: ``observation_length`` context tokens that are new since the previous
         call (response_mask 0), then the call's ``response_length`` tokens (mask 1) with their log-probs
-        (None: unknown). ``reward``: the call's own reward, placed on its last kept token (on the row's last
+        (None: unknown). ``reward``: a score placed on the call's last kept token (on the row's last
         trainable token when the row had no room left for any of its tokens).
+
+        The per-call columns: ``turn``, the call's position in its trace (its tokens' ``turn_ids``; -1 for
+        context that no call produced); ``call_reward``, its own reward when ``own_reward``, else its
+        rollout's; ``state_key``, the state it was made in (None: not given).
 
         Only lengths are given: the tokens are read once, from the row's last context, in :meth:`to_batch`.
         """
@@ -160,6 +175,10 @@ class RowBuilder:
         self.observation.append(observation_length)
         self.response.append(response_length)
         self.logprobs.append(None if logprobs is None else logprobs.packed)
+        self.call_turn.append(turn)
+        self.call_reward.append(call_reward)
+        self.call_reward_own.append(own_reward)
+        self.call_state_key.append(state_key)
 
     def end(self, prompt_ids: TokenIds, response_ids: TokenIds, uid: str, rollout_id: str, turn_index: int,
             reward: float) -> None:
@@ -233,7 +252,7 @@ class RowBuilder:
             rows=rows, response_len=response_len[rows], model_turns=model_turns,
             model_kept=model_kept[model_turns], model_at=new_row[model_row] * R + model_start[model_turns],
             score_at=score_at, score_value=reward_value[scored], truncated=int(truncated[rows].sum()),
-            logprobs_known=known)
+            logprobs_known=known, row_of_turn=row_of_turn, new_row=new_row)
         return self._laid_out
 
     def metrics(self) -> dict[str, float]:
@@ -262,10 +281,14 @@ class RowBuilder:
         bool; ``prompt_length`` and ``response_length`` (n,) float32 (the type
         verl's metrics give them), the row's real tokens on either side: verl's
         metrics read these columns when present instead of counting
-        ``attention_mask``, and so does the loop. Non-tensors: ``uid`` and
-        ``data_id`` (the group: the task id), ``rollout_id``, ``turn_index``
-        (as given to :meth:`end`: the aggregators give the position in the
-        trace of the row's first call).
+        ``attention_mask``, and so does the loop; ``turn_ids`` (n, R) int32,
+        on each model token the position in the trace of its call, -1
+        elsewhere. Non-tensors: ``uid`` and ``data_id`` (the group: the task
+        id), ``rollout_id``, ``turn_index`` (as given to :meth:`end`: the
+        aggregators give the position in the trace of the row's first call),
+        and the per-call columns ``call_turns``, ``call_rewards``,
+        ``call_reward_sources``, ``call_state_keys`` (see
+        :data:`agl_core.data.CALL_COLUMNS`).
         """
         layout = self._layout()
         rows = layout.rows
@@ -289,8 +312,34 @@ class RowBuilder:
         return Batch(
             tensors=tensors,
             non_tensors={"uid": uid, "data_id": uid.copy(), "rollout_id": np.array(self.rollout_id, dtype=object)[rows],
-                         "turn_index": np.array(self.turn_index, dtype=np.int64)[rows]},
+                         "turn_index": np.array(self.turn_index, dtype=np.int64)[rows], **self._call_columns(layout)},
         )
+
+    def _call_columns(self, layout: _Layout) -> dict[str, np.ndarray]:
+        """The per-call columns (:data:`agl_core.data.CALL_COLUMNS`): ``(rows, C)`` arrays, C the most calls of a
+        kept row, each row's calls from column 0 in call order, the rest padding."""
+        turn = np.array(self.call_turn, dtype=np.int64)
+        calls = np.flatnonzero(turn >= 0)
+        kept = np.zeros(len(self.first_turn), dtype=bool)
+        kept[layout.rows] = True
+        calls = calls[kept[layout.row_of_turn[calls]]]
+        row = layout.new_row[layout.row_of_turn[calls]]
+        n = len(layout.rows)
+        per_row = np.bincount(row, minlength=n)
+        width = int(per_row.max()) if n else 0
+        column = np.arange(len(calls)) - np.repeat(np.cumsum(per_row) - per_row, per_row)  # rank within the row
+        turns = np.full((n, width), -1, dtype=np.int64)
+        rewards = np.full((n, width), np.nan, dtype=np.float64)
+        sources = np.full((n, width), "", dtype=REWARD_SOURCE_DTYPE)
+        state_keys = np.full((n, width), None, dtype=object)
+        turns[row, column] = turn[calls]
+        rewards[row, column] = np.array(self.call_reward, dtype=np.float64)[calls]
+        sources[row, column] = np.where(np.array(self.call_reward_own, dtype=bool)[calls],
+                                        REWARD_FROM_CALL, REWARD_FROM_ROLLOUT)
+        keys = self.call_state_key
+        state_keys[row, column] = np.fromiter((keys[i] for i in calls.tolist()), dtype=object, count=len(calls))
+        return {"call_turns": turns, "call_rewards": rewards, "call_reward_sources": sources,
+                "call_state_keys": state_keys}
 
     # The tensors are allocated by torch and filled through NumPy views of them. NumPy would allocate
     # with madvise(MADV_HUGEPAGE), and where the kernel then compacts memory on page faults
@@ -312,6 +361,10 @@ class RowBuilder:
         response_mask = out["response_mask"].zero_()
         response_mask.numpy().reshape(-1)[model_at] = 1
         tensors["response_mask"] = response_mask
+        turn_ids = out["turn_ids"].fill_(-1)
+        turn_ids.numpy().reshape(-1)[model_at] = np.repeat(np.array(self.call_turn, dtype=np.int32)[layout.model_turns],
+                                                           kept)
+        tensors["turn_ids"] = turn_ids
         if layout.logprobs_known:
             logprobs = out["rollout_log_probs"].zero_()
             logprobs.numpy().reshape(-1)[model_at] = self._model_logprobs(layout)

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from agl_core.data import Batch, Rollout, TokenIds
 
-from agl_plugin_traces.calls import TraceCounts, trainable_rollouts
+from agl_plugin_traces.calls import TraceCounts, call_columns, trainable_rollouts
 from agl_plugin_traces.mismatch import CLASSES, Tokenizer, classify_break, first_difference
 from agl_plugin_traces.rows import RowBuilder
 
@@ -67,7 +67,9 @@ def trajectory_batch(rollouts: Iterable[Rollout], max_prompt_length: int, max_re
 
     Rewards: the rollout's reward on the row's last trainable token; with
     ``per_call_rewards``, each call's own reward on its last kept token when
-    any call of the row emitted one.
+    any call of the row emitted one. Whatever ``per_call_rewards`` says, each
+    row keeps its calls apart (``turn_ids``, per token) and each call's own
+    reward and state key (the per-call columns, :data:`agl_core.data.CALL_COLUMNS`).
     """
     rows = RowBuilder(max_prompt_length, max_response_length)
     if isinstance(rollouts, Sized):
@@ -92,7 +94,7 @@ def trajectory_batch(rollouts: Iterable[Rollout], max_prompt_length: int, max_re
                     # What follows the previous context is new (possibly nothing), then the model speaks.
                     # (Counted in bytes of the packed buffers: len() of a TokenIds is a Python call.)
                     rows.add_turn((len(packed) - context_bytes) // TokenIds.itemsize, len(call.response_ids),
-                                  call.logprobs, own)
+                                  call.logprobs, own, **call_columns(call, reward))
                     previous = call
                     continue
                 rows.end(previous.prompt_ids, previous.response_ids, uid, rollout_id, first_turn, reward)
@@ -107,7 +109,7 @@ def trajectory_batch(rollouts: Iterable[Rollout], max_prompt_length: int, max_re
                                            "context_ids": context, "prompt_ids": prompt_list})
             rows.begin(prompt, overflow_to_response=overflow_to_response and i > 0)
             first_turn = call.turn
-            rows.add_turn(0, len(call.response_ids), call.logprobs, own)
+            rows.add_turn(0, len(call.response_ids), call.logprobs, own, **call_columns(call, reward))
             previous = call
         if previous is not None:
             rows.end(previous.prompt_ids, previous.response_ids, uid, rollout_id, first_turn, reward)

@@ -78,8 +78,12 @@ def agl_estimator_for_verl(name: str, fn: Callable) -> Callable:
     The batch is made of what verl passes (``token_level_rewards``,
     ``response_mask``, ``index`` as the ``uid`` column, ``values``,
     ``reward_baselines``, and the whole ``batch``/``non_tensor_batch`` when
-    verl hands them over). An estimator that reads another column fails with
-    a KeyError naming it.
+    verl hands them over: then the per-call columns too, ``turn_ids`` and the
+    ``call_*`` arrays, which the step-level estimators read). An estimator
+    that reads another column fails with a KeyError naming it: verl's
+    ``compute_advantage`` hands the whole batch to GDPO alone, so ``gigpo``
+    and ``turn_grpo`` run in agl_core's ``advantage`` slot, where the batch
+    has every column.
     """
 
     def estimator(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None,
@@ -230,9 +234,10 @@ def verl_policy_loss_for_agl(name: str) -> Callable:
 def _builtin_names(hook: str) -> set[str]:
     """Names the agl_core built-in plugin registers through ``hook`` (verl's versions are not added for those)."""
     from agl_core.builtin import estimators
+    from agl_core.plugins import call
 
     names: set[str] = set()
-    getattr(estimators, hook)(register=lambda name, obj, **options: names.add(name))
+    call(getattr(estimators, hook), {"register": lambda name, obj, **options: names.add(name), "settings": None})
     return names
 
 
