@@ -49,7 +49,7 @@ def test_bad_recipe_and_bad_plugin_are_clear_errors(tmp_path):
     assert "algorithm.estimatr: unknown key" in out.stderr and "Traceback" not in out.stderr
     out = agl("train", QUICKSTART, "algorithm.estimator=nope", f"trainer.run_dir={tmp_path}")
     assert out.returncode == 2
-    assert "unknown estimator 'nope'; registered: gae, grpo" in out.stderr
+    assert "unknown estimator 'nope'; registered: gae, gigpo, grpo" in out.stderr
     out = agl("train", QUICKSTART, "-p", "ghost")
     assert out.returncode == 2 and "'ghost' is enabled but not installed" in out.stderr
 

@@ -21,6 +21,7 @@ AGL_HOOK_API = HOOK_API_VERSION
 # The math imports torch: imported when an estimator or the loss first runs, not with the plugin.
 A = LazyModule("agl_core.algorithms.advantages", globals(), "A")
 T = LazyModule("agl_core.algorithms.turn_advantages", globals(), "T")
+batch_calls = LazyModule("agl_core.builtin.batch_calls", globals())
 losses = LazyModule("agl_core.algorithms.losses", globals())
 torch = LazyModule("torch", globals())
 
@@ -76,7 +77,7 @@ def _remax(batch, config):
 
 def _step_inputs(batch):
     """The calls of ``batch``, their ranks within their rollouts, and their rewards r_t (KL penalty included)."""
-    calls = T.batch_calls(batch)
+    calls = batch_calls.batch_calls(batch)
     rank, length = T.call_ranks(calls.rollout, calls.turn)
     reward = T.per_call_rewards(calls.reward, calls.own, calls.rollout, rank, calls.n_rollouts) + calls.kl
     return calls, rank, length, reward
