@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agl_plugin_torch.sampling import Sample, SamplingParams, generate
+from agl_plugin_torch.sampling import DYNAMIC, Sample, SamplingParams, generate
 
 log = logging.getLogger("agl_plugin_torch")
 
@@ -61,8 +61,12 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, lock: threading.Lock, weight_version: Callable[[], int], *,
                  eos_token_ids: Sequence[int], pad_token_id: int, decode: Callable[[list[int]], str],
-                 generator: torch.Generator, max_batch_rows: int = 256, batch_wait_s: float = 0.002):
+                 generator: torch.Generator, max_batch_rows: int = 256, batch_wait_s: float = 0.002,
+                 kv_cache: str = DYNAMIC, compile_decode: bool = False):
         self.model, self.lock, self.weight_version, self.generator = model, lock, weight_version, generator
+        self.kv_cache = kv_cache
+        # CUDA graphs of the decode step: torch.compile records one per batch shape on first use.
+        self.decode_forward = torch.compile(model.forward, mode="reduce-overhead") if compile_decode else None
         self.eos_token_ids, self.pad_token_id, self.decode = list(eos_token_ids), pad_token_id, decode
         self.max_batch_rows, self.batch_wait_s = max_batch_rows, batch_wait_s
         self.batches = 0  # generated batches
@@ -156,7 +160,8 @@ class Engine:
             version = self.weight_version()
             samples = generate(self.model, prompts, params, eos_token_ids=self.eos_token_ids,
                                pad_token_id=self.pad_token_id, decode=self.decode, generator=self.generator,
-                               on_step=_streamer(jobs))
+                               on_step=_streamer(jobs), kv_cache=self.kv_cache,
+                               decode_forward=self.decode_forward)
             self.batches += 1
             self.busy_cpu_s += time.thread_time() - start
         start = 0

@@ -69,7 +69,8 @@ def serve_model(model: torch.nn.Module, lock: Any, weight_version: Callable[[], 
     serving = config.serving
     engine = Engine(model, lock, weight_version, eos_token_ids=eos_token_ids, pad_token_id=tokenizer.pad_token_id,
                     decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), generator=generator,
-                    max_batch_rows=serving.max_batch_rows, batch_wait_s=serving.batch_wait_ms / 1000).start()
+                    max_batch_rows=serving.max_batch_rows, batch_wait_s=serving.batch_wait_ms / 1000,
+                    kv_cache=serving.kv_cache, compile_decode=serving.compile_decode).start()
     try:
         server = PolicyServer(engine, tokenizer, model.config.max_position_embeddings, serving, model_name).serve()
     except BaseException:
