@@ -73,6 +73,9 @@ class Engine:
         # CPU time the worker spent generating: the model's share of a step's rollouts. (Its wall time
         # would also count the waits for the GIL, which the agents, the gateway and the servers hold.)
         self.busy_cpu_s = 0.0
+        # What a GPU's throughput is read from: the tokens generated and the wall time the batches took.
+        self.generated_tokens = 0
+        self.busy_wall_s = 0.0
         self._queue: queue.Queue[_Job] = queue.Queue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._work, name="agl-torch-engine", daemon=True)
@@ -156,7 +159,7 @@ class Engine:
         prompts = [p for job in jobs for p in job.prompts]
         params = [p for job in jobs for p in job.params]
         with self.lock:
-            start = time.thread_time()
+            start, wall_start = time.thread_time(), time.perf_counter()
             version = self.weight_version()
             samples = generate(self.model, prompts, params, eos_token_ids=self.eos_token_ids,
                                pad_token_id=self.pad_token_id, decode=self.decode, generator=self.generator,
@@ -164,6 +167,8 @@ class Engine:
                                decode_forward=self.decode_forward)
             self.batches += 1
             self.busy_cpu_s += time.thread_time() - start
+            self.busy_wall_s += time.perf_counter() - wall_start
+            self.generated_tokens += sum(len(sample.token_ids) for sample in samples)
         start = 0
         for job in jobs:
             job.future.set_result(Generated(samples[start:start + len(job.prompts)], version))

@@ -51,6 +51,10 @@ class Endpoint:
         """How many batches the engine has generated."""
         return self.engine.batches
 
+    def generated(self) -> tuple[int, float]:
+        """``(tokens, seconds)``: the tokens the engine has generated and the wall time its batches took."""
+        return self.engine.generated_tokens, self.engine.busy_wall_s
+
     def generator_state(self) -> torch.Tensor:
         """The state of the generator unseeded requests draw from (saved with a checkpoint)."""
         return self.engine.generator.get_state()
@@ -95,6 +99,9 @@ class RemoteEndpoint:
 
     def batches(self) -> int:
         return self.process.call("batches")
+
+    def generated(self) -> tuple[int, float]:
+        return self.process.call("generated")
 
     def generator_state(self) -> torch.Tensor:
         return self.process.call("generator_state")
