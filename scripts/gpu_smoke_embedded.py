@@ -3,8 +3,8 @@
 
     python scripts/gpu_smoke_embedded.py wheels WHEEL_DIR         # print the wheels this Python lacks
     python scripts/gpu_smoke_embedded.py recipe OUT.yaml DEVICE    # the GPU recipe of the default game
-    python scripts/gpu_smoke_embedded.py bench OUT.json DEVICE     # generation and update throughput
-    python scripts/gpu_smoke_embedded.py summary RUN_DIR BENCH.json CHECK_RC OUT.json
+    python scripts/gpu_smoke_embedded.py bench OUT.json DEVICE BUDGET_S PARTS  # PARTS: dynamic,static,compiled,update
+    python scripts/gpu_smoke_embedded.py summary RUN_DIR BENCH.json[,MORE.json] CHECK_RC OUT.json
 
 The model is Qwen2.5-0.5B's shape (24 layers, width 896, 14 query and 2 key/value heads, MLP 4864, vocabulary
 151936 rows, tied embeddings: 494M parameters) made from a config, with the default game's word tokenizer (its
@@ -188,10 +188,14 @@ def memory(device: str) -> dict:
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
 
 
-def bench(out: Path, device: str, budget_s: float) -> int:
-    """Generation (dynamic cache, static cache, static + compiled) and one update; JSON to ``out``.
+VARIANTS = {"dynamic": ("dynamic", False, 0), "static": ("static", False, 30), "compiled": ("static", True, 120)}
+"""Generation variants: KV cache, compiled decode step, seconds they need left to be started."""
 
-    The default path (dynamic cache) must work: its failure is exit 1. The
+
+def bench(out: Path, device: str, budget_s: float, parts: list[str]) -> int:
+    """The parts asked for among generation variants (:data:`VARIANTS`) and ``update``; JSON to ``out``.
+
+    A failure of ``dynamic`` (the default path) or ``update`` is exit 1; the
     others are reported as they went, skipped when the time left is short.
     """
     import torch
@@ -211,10 +215,11 @@ def bench(out: Path, device: str, budget_s: float) -> int:
         out.write_text(json.dumps(results, indent=1))
 
     code = 0
-    for kv_cache, compiled, needs_s in (("dynamic", False, 0), ("static", False, 30), ("static", True, 120)):
-        name = f"{kv_cache}{'+compiled' if compiled else ''}"
+    for name in [part for part in parts if part in VARIANTS]:
+        kv_cache, compiled, needs_s = VARIANTS[name]
         if compiled and not big:
-            continue  # CUDA graphs: nothing to learn on a CPU
+            results["errors"][name] = "skipped: CUDA graphs, nothing to learn on a CPU"
+            continue
         if time.monotonic() - start > budget_s - needs_s:
             results["errors"][name] = "skipped: not enough time left"
             continue
@@ -227,8 +232,12 @@ def bench(out: Path, device: str, budget_s: float) -> int:
         save()
         torch._dynamo.reset() if compiled else None
     try:
+        if "update" not in parts:
+            raise LookupError
         model.train()
         results["update"] = bench_update(model, device, *((32, 64, 448, 8) if big else (4, 8, 8, 2)))
+    except LookupError:
+        pass
     except Exception as exc:
         results["errors"]["update"] = f"{type(exc).__name__}: {exc}"[:2000]
         code = 1
@@ -240,11 +249,20 @@ def bench(out: Path, device: str, budget_s: float) -> int:
 # ------------------------------------------------------------------ summary
 
 
-def summary(run_dir: Path, bench_file: Path, check_rc: int, out: Path) -> int:
-    """The run's and the benchmark's figures, as JSON to ``out`` and a compact table on stdout."""
+def summary(run_dir: Path, bench_files: list[Path], check_rc: int, out: Path) -> int:
+    """The run's and the benchmarks' figures, as JSON to ``out`` and a compact table on stdout."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if r["step"] >= 1 and "timing_s/step" in r]
-    bench_results = json.loads(bench_file.read_text()) if bench_file.is_file() else {}
+    bench_results: dict = {"generation": [], "errors": {}}
+    for path in bench_files:
+        if not path.is_file():
+            bench_results["errors"][path.name] = "no results (the benchmark did not start, or was killed)"
+            continue
+        part = json.loads(path.read_text())
+        generation, errors = part.pop("generation", []), part.pop("errors", {})
+        bench_results["generation"] += generation
+        bench_results["errors"].update(errors)
+        bench_results.update({k: v for k, v in part.items() if v is not None or k not in bench_results})
     n_params = bench_results.get("parameters")
     stages = ["gen", "gen_postprocess", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor",
               "step"]
@@ -316,9 +334,9 @@ def main(argv: list[str]) -> int:
         write_recipe(Path(args[0]), args[1])
         return 0
     if command == "bench":
-        return bench(Path(args[0]), args[1], float(args[2]) if len(args) > 2 else 240.0)
+        return bench(Path(args[0]), args[1], float(args[2]), args[3].split(","))
     if command == "summary":
-        return summary(Path(args[0]), Path(args[1]), int(args[2]), Path(args[3]))
+        return summary(Path(args[0]), [Path(a) for a in args[1].split(",")], int(args[2]), Path(args[3]))
     raise SystemExit(f"unknown command {command!r}: wheels, recipe, bench or summary")
 
 
