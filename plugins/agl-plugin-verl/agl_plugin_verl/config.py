@@ -24,6 +24,7 @@ verl cannot honour, naming each key: none is silently dropped.
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -325,8 +326,30 @@ def build_verl_config(recipe: Recipe, section: VerlSection | Mapping[str, Any] |
     for key, value in overrides.items():
         _set(cfg, key, value, f"plugins.verl.{key.lstrip('+')}")
     OmegaConf.resolve(cfg)
+    default_critic_attention(cfg)
     check_lora(recipe, cfg)
     return cfg
+
+
+def default_critic_attention(cfg: DictConfig) -> None:
+    """The critic's attention kernel, when the recipe sets none: the actor's, unless flash-attn is importable.
+
+    verl loads a model whose ``override_config`` names no ``attn_implementation``
+    with ``flash_attention_2``, which fails without the flash-attn package (not
+    part of verl's documented install). The actor's is set by the recipe
+    (``sdpa`` in examples/calc_verl); the critic's, a separate section, is
+    not, so GAE would fail on a GPU that trains the actor fine. With flash-attn
+    importable verl's own default stands.
+    """
+    critic = cfg.get("critic")
+    if critic is None or "attn_implementation" in (critic.model.get("override_config") or {}):
+        return
+    if importlib.util.find_spec("flash_attn") is not None:
+        return
+    actor = cfg.actor_rollout_ref.model.get("override_config") or {}
+    with open_dict(cfg):
+        OmegaConf.update(cfg, "critic.model.override_config.attn_implementation",
+                         actor.get("attn_implementation", "sdpa"), merge=True, force_add=True)
 
 
 def check_lora(recipe: Recipe, cfg: DictConfig) -> None:
