@@ -57,7 +57,8 @@ def test_the_reward_is_the_share_of_the_target_word(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
     from examples.smoke.agent import reward
 
-    assert reward("yes no yes yes") == 0.75 and reward("") == 0.0 and reward("no maybe") == 0.0
+    assert reward("yes no yes yes") == reward("yesnoyesyes") == 9 / 11
+    assert reward("") == 0.0 and reward("no maybe") == 0.0 and reward("yes") == 1.0
 
 
 def test_a_run_that_trained_passes_and_its_resume_too(good_run, capsys):

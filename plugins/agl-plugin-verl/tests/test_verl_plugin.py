@@ -223,3 +223,29 @@ def test_asynchronous_training_is_refused_at_start_naming_what_verl_lacks_here()
                                           r"one_step_off_policy.*separate rollout and trainer resource pools"):
         plugin.on_train_start(ctx)
     plugin.refuse_async(SimpleNamespace(config=validate_recipe({})))  # k=0: nothing to refuse
+
+
+def test_old_log_probs_send_the_token_counts_verls_workers_compute_mfu_from():
+    """verl's ``infer_batch`` reports ``mfu`` (logged as ``perf/mfu/actor_infer``) only when the batch carries
+    ``global_token_num``, as verl's trainer sets it: the tokens of each row. The worker group is a stand-in that
+    captures what it is sent (verl's CPU workers have no FLOPs counter, a CPU has no peak figure)."""
+    import torch
+
+    from agl_core.data import Batch
+    from agl_plugin_verl import calls
+    from verl.utils import tensordict_utils as tu
+
+    class Sent(Exception):
+        pass
+
+    class Actor:
+        def compute_log_prob(self, td):
+            raise Sent(tu.get(td, "global_token_num"))
+
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 0, 1, 1, 0]])
+    batch = Batch({"input_ids": torch.ones(3, 5, dtype=torch.long), "attention_mask": mask,
+                   "position_ids": (mask.cumsum(-1) - 1).clamp(min=0), "responses": torch.ones(3, 2, dtype=torch.long),
+                   "response_mask": mask[:, 3:]})
+    with pytest.raises(Sent) as sent:
+        calls.compute_log_prob(Actor(), batch, temperature=1.0)
+    assert list(sent.value.args[0]) == [3, 5, 2]
