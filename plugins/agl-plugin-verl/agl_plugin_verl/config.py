@@ -93,6 +93,9 @@ def _sampling(field: str) -> Callable[[Recipe], float]:
     return value
 
 
+LORA_MERGE = "actor_rollout_ref.model.lora.merge"
+"""verl's switch that merges the LoRA adapter into the weights synced to the rollout servers."""
+
 LORA = "lora"
 """The plugin (agl-plugin-lora) whose recipe section ``plugins.lora`` drives verl's LoRA options."""
 
@@ -323,6 +326,10 @@ def build_verl_config(recipe: Recipe, section: VerlSection | Mapping[str, Any] |
     cpu = CPU_DEFAULTS if overrides.get("trainer.device") == "cpu" else {}
     for key, value in {**DEFAULTS, **cpu, **required}.items():
         _set(cfg, key, value, "agl-plugin-verl")
+    if lora_section(recipe) is not None and LORA_MERGE not in {key.lstrip("+") for key in overrides}:
+        # Agents call vLLM's OpenAI routes, which apply an unmerged adapter only to a request naming it: the
+        # adapter merged into the synced weights is what they are served (verl's generate() path needs neither).
+        _set(cfg, LORA_MERGE, True, f"agl-plugin-verl (plugin {LORA!r} active)")
     for key, value in overrides.items():
         _set(cfg, key, value, f"plugins.verl.{key.lstrip('+')}")
     OmegaConf.resolve(cfg)
