@@ -182,10 +182,14 @@ def check_checkpoints(report: Report, run_dir: Path, config: dict, steps: int, l
     final = safetensors_of(last) if last.is_dir() else {}
     if learning and final:
         moved = distance(final, initial) if initial else None
-        if moved is None:
-            report.note("weights moved: not checked (no initial weights of the same names to compare with)")
-        else:
+        adapter_b = [t for name, t in final.items() if "lora_B" in name]
+        if moved is not None:
             report.check(moved > 0, f"weights moved from the initial model (L2 {moved:.4g})", "they did not")
+        elif adapter_b:  # a LoRA adapter's B matrices start at zero: trained, they are not
+            norm = math.sqrt(sum(float((t ** 2).sum()) for t in adapter_b))
+            report.check(norm > 0, f"the LoRA adapter trained (L2 of its B matrices {norm:.4g})", "they are zero")
+        else:
+            report.note("weights moved: not checked (no initial weights of the same names to compare with)")
     if resumed_at is not None:
         start = checkpoints / f"global_step_{resumed_at}"
         if not report.check(start.is_dir(), f"checkpoint global_step_{resumed_at} (resumed from) present"):

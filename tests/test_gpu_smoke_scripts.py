@@ -1,6 +1,8 @@
 """The GPU smoke scripts' dry runs on a CPU: the same steps and the same checker, a tiny model.
 
-``scripts/gpu_smoke_embedded.sh`` with ``AGL_SMOKE_DEVICE=cpu`` trains the default game with a tiny Qwen2-shaped
+``scripts/gpu_smoke.sh`` with ``AGL_SMOKE_DEVICE=cpu`` runs its phases (three steps with validation and a checkpoint,
+a resume, LoRA) on the embedded backend instead of verl and vLLM, which need a GPU; its memory-trace phase is
+skipped. ``scripts/gpu_smoke_embedded.sh`` with ``AGL_SMOKE_DEVICE=cpu`` trains the default game with a tiny Qwen2-shaped
 model, checks the run with ``scripts/check_run.py`` and benchmarks the engine, as it does with the 0.5B model on a
 GPU (its CUDA-graph benchmark excepted). ``scripts/source_dists.py`` makes the checkout's distributions
 discoverable without installing them, as the bare GPU image needs.
@@ -33,6 +35,20 @@ def test_the_embedded_gpu_smoke_dry_run_passes_and_writes_its_figures(tmp_path):
     kinds = {(g["kv_cache"], g["compiled"]) for g in figures["bench"]["generation"]}
     assert kinds == {("dynamic", False), ("static", False)} and figures["bench"]["update"]["tokens_per_s"] > 0
     assert (out / "metrics.jsonl").is_file() and (out / "summary.txt").is_file()
+
+
+def test_the_verl_gpu_smoke_dry_run_passes_every_phase(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "AGL_SMOKE_DEVICE": "cpu", "PYTHON": sys.executable,
+           "AGL_SMOKE_WORK": str(tmp_path / "work")}
+    done = subprocess.run(["bash", "scripts/gpu_smoke.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "GPU SMOKE (verl): PASS" in done.stdout
+    for phase in "ABC":
+        assert f"check {phase}: PASS" in done.stdout
+    assert "PASS  resumed from step 3's weights" in (out / "check_B.txt").read_text()
+    assert "PASS  the LoRA adapter trained" in (out / "check_C.txt").read_text()
 
 
 def test_an_unusable_machine_exits_2(tmp_path):
