@@ -43,17 +43,16 @@ def missing_wheels(wheel_dir: Path) -> list[str]:
     from importlib import metadata
 
     from packaging.utils import canonicalize_name, parse_wheel_filename
+    from packaging.version import Version
 
     out = []
     for wheel in sorted(wheel_dir.glob("*.whl")):
         name, version, _, _ = parse_wheel_filename(wheel.name)
         try:
-            have = metadata.version(canonicalize_name(name))
+            have = Version(metadata.version(canonicalize_name(name)))
         except metadata.PackageNotFoundError:
-            out.append(str(wheel))
-            continue
-        from packaging.version import Version
-        if Version(have) < version:
+            have = None
+        if have is None or have < version:
             out.append(str(wheel))
     return out
 
@@ -230,7 +229,8 @@ def bench(out: Path, device: str, budget_s: float, parts: list[str]) -> int:
             results["errors"][name] = f"{type(exc).__name__}: {exc}"[:2000]
             code = 1 if kv_cache == "dynamic" else code
         save()
-        torch._dynamo.reset() if compiled else None
+        if compiled:
+            torch._dynamo.reset()
     try:
         if "update" not in parts:
             raise LookupError

@@ -17,12 +17,12 @@
 #
 # Exit 0: pass; 1: fail (the run or its check failed, or the default generation path); 2: unusable (no GPU,
 # the wheels do not install, agl_core does not import). AGL_SMOKE_DEVICE=cpu is the dry run the tests run
-# (tiny model, same code). It keeps to AGL_SMOKE_BUDGET_S seconds (default 420) of its own.
+# (tiny model, same code). It keeps to AGL_SMOKE_BUDGET_S seconds (default 400) of its own.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 DEVICE=${AGL_SMOKE_DEVICE:-cuda}
-BUDGET_S=${AGL_SMOKE_BUDGET_S:-420}
+BUDGET_S=${AGL_SMOKE_BUDGET_S:-400}
 OUT=${OUT:-$REPO/runs/gpu_smoke_embedded_out}
 WORK=${AGL_SMOKE_WORK:-$(mktemp -d /tmp/agl_gpu_smoke.XXXXXX)}
 WHEELS=${WHEELS:-$REPO/gpu_wheels}
