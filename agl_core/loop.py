@@ -96,6 +96,13 @@ class Trainer:
             if cfg.algorithm.rollout_correction.rollout_is is not None:
                 batch["rollout_is_weights"], tis_metrics = self.rollout_correction(batch)
                 metrics.update(tis_metrics)
+            elif "rollout_log_probs" in batch:
+                # Measured on every run, correction or not (one exp over the batch): weights far from 1 mean the
+                # served policy is not the trained one (stale or wrong weights, other numerics), which
+                # scripts/check_run.py fails a run for.
+                correction = cfg.algorithm.rollout_correction
+                metrics.update(tis_weights(batch["old_log_probs"], batch["rollout_log_probs"],
+                                           batch["response_mask"], correction.rollout_is_threshold)[1])
             if plan_.needs_ref:
                 with timer("ref", timing):
                     batch = ctx.call("compute_ref_logprob", batch=batch)

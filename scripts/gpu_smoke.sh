@@ -1,95 +1,149 @@
 #!/usr/bin/env bash
-# Three training steps of examples/calc_verl on one GPU through agl-plugin-verl (verl's FSDP workers and
-# vLLM rollout servers), then the per-stage timings of each step.
+# The verl backend (agl-plugin-verl: verl's FSDP workers and vLLM rollout servers) on one GPU, in phases that
+# each end with scripts/check_run.py, which fails a run that did not train (a skipped step, failed or refused
+# calls, served log-probs that are not the trainer's, non-finite losses, no checkpoint, a resume that started
+# over). The model is a tiny one made by scripts/make_smoke_model.py: no Hub, no download.
 #
-# STATUS: written and reviewed, NOT RUN by its authors (the asynchronous part at the end neither): the machines this project is developed on have no
-# GPU (the CPU half of the path, verl's real worker groups on a CPU engine, runs in the test suite).
+#   A. three steps of examples/smoke/recipe_verl.yaml with validation and a checkpoint at step 3;
+#   B. one more step resumed from that checkpoint (check_run --resumed-at 3);
+#   C. three steps with LoRA (plugin lora, rank 8): the served log-probs must be the adapted policy's;
+#   D. a trace of the GPU's memory during A (nvidia-smi every 200 ms): the rollout servers' sleep must free
+#      most of what they hold while the actor trains.
 #
-# What it needs (a fresh environment on a Linux machine with one NVIDIA GPU of >= 40 GB, a driver for
-# CUDA 12.8 or newer, Python 3.11 or 3.12, and the Hugging Face Hub reachable unless MODEL is a local path):
+# STATUS: the CPU dry run (AGL_SMOKE_DEVICE=cpu: the same phases A-C and the same checker on the embedded
+# backend, D skipped) runs in the test suite; on a GPU with verl it has not been run by its authors: the one
+# GPU machine this project has been lent has no verl, vLLM or Ray (scripts/gpu_smoke_embedded.sh runs there).
 #
-#   python -m venv .venv-gpu && . .venv-gpu/bin/activate
-#   pip install 'verl[vllm]==0.9.1'      # verl's GPU stack: torch 2.11.0 (CUDA), vLLM 0.24.0, transformers 5.9.0, Ray
-#   pip install -e . -e plugins/agl-plugin-traces -e plugins/agl-plugin-verl -e plugins/agl-plugin-lora  # lora: recipe_lora.yaml
+# What it needs on the GPU machine: Python 3.11/3.12, one NVIDIA GPU (>= 24 GB), a driver for CUDA 12.8+, and
+#   pip install 'verl[vllm]==0.9.1' peft    # verl's GPU stack: torch (CUDA), vLLM, transformers, Ray
+# with this checkout's packages importable: installed (pip install --no-deps -e . -e plugins/agl-plugin-verl
+# -e plugins/agl-plugin-traces -e plugins/agl-plugin-lora) or, without, from source: the script then writes
+# their metadata itself (scripts/source_dists.py; nothing is built or downloaded). Do not install with
+# -c constraints.txt (it pins the CPU build of torch).
 #
-# Do not install with -c constraints.txt here: it pins the CPU build of torch. flash-attn is not needed: the
-# recipe uses PyTorch's attention (sdpa) for training; vLLM brings its own kernels.
-#
-# Usage:  scripts/gpu_smoke.sh                       # Qwen/Qwen2.5-0.5B-Instruct from the Hub
-#         MODEL=/models/qwen2.5-0.5b-instruct scripts/gpu_smoke.sh
-# Extra arguments are recipe overrides, e.g.  scripts/gpu_smoke.sh rollout.n=8
-set -euo pipefail
+# Usage:  scripts/gpu_smoke.sh                 # everything under $OUT (default runs/gpu_smoke_out)
+#         MODEL=/models/some-local-hf-dir scripts/gpu_smoke.sh    # another local model instead of the tiny one
+# Exit 0: every phase passed; 1: a phase failed; 2: unusable (no GPU, verl or vLLM missing).
+set -uo pipefail
 cd "$(dirname "$0")/.."
+REPO=$(pwd)
+DEVICE=${AGL_SMOKE_DEVICE:-cuda}
+OUT=${OUT:-$REPO/runs/gpu_smoke_out}
+WORK=${AGL_SMOKE_WORK:-$(mktemp -d /tmp/agl_gpu_smoke.XXXXXX)}
+PY=${PYTHON:-python3}
+START=$SECONDS
+mkdir -p "$OUT" "$WORK"
+FAILED=()
+unusable() { echo "UNUSABLE: $*"; exit 2; }
+phase() { echo; echo "=== $* [$((SECONDS - START)) s]"; }
 
-MODEL=${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}
-RUN_DIR=${RUN_DIR:-runs/gpu_smoke}
-
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python - <<'PY'
+phase "0. environment ($DEVICE)"
+if ! $PY -c 'import importlib.metadata as m; m.version("agl-core")' 2>/dev/null; then
+    SOURCES=$($PY scripts/source_dists.py "$WORK/site" "$REPO" "$REPO"/plugins/agl-plugin-{verl,torch,traces,lora}) \
+        || unusable "scripts/source_dists.py failed"
+    export PYTHONPATH="$SOURCES:$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if [ "$DEVICE" = cuda ]; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || unusable "no nvidia-smi"
+    $PY - <<'PY' || unusable "torch sees no GPU, or verl/vLLM is missing or unsupported"
 import importlib.metadata as md
 import torch
 assert torch.cuda.is_available(), "torch does not see a CUDA GPU (a CPU build of torch is installed?)"
-for dist in ("torch", "verl", "vllm", "ray", "transformers", "agl-core", "agl-plugin-verl", "agl-plugin-traces"):
-    print(f"{dist:18} {md.version(dist)}")
+for dist in ("torch", "verl", "vllm", "ray", "transformers", "peft", "agl-core", "agl-plugin-verl"):
+    print(f"{dist:16} {md.version(dist)}")
 from agl_plugin_verl.compat import verl_version
 verl_version()  # refuses an unsupported verl before anything starts
 PY
-
-rm -rf "$RUN_DIR"
-# 8 problems x 4 episodes = 32 trajectory rows a step, two PPO mini-batches; a checkpoint at step 3
-# exercises verl's checkpoint manager; no validation (it would time a second rollout).
-agl train examples/calc_verl/recipe.yaml \
-    trainer.run_dir="$RUN_DIR" trainer.total_steps=3 trainer.save_freq=3 trainer.test_freq=0 \
-    trainer.val_before_train=false trainer.resume=never \
-    data.train_batch_size=8 rollout.n=4 algorithm.ppo_mini_batch_size=16 rollout.n_workers=32 \
-    plugins.verl.actor_rollout_ref.model.path="$MODEL" "$@"
-
-python - "$RUN_DIR/metrics.jsonl" <<'PY'
-import json, sys
-stages = ["gen", "gen_postprocess", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "step"]
-rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-rows = [row for row in rows if row["step"] > 0]
-print("\nper-stage seconds (timing_s/*), rewards and throughput, by step")
-print(f"{'step':>4} " + " ".join(f"{s:>15}" for s in stages) + f" {'reward':>7} {'tokens/s/gpu':>12}")
-for row in rows:
-    cells = " ".join(f"{row.get(f'timing_s/{s}', float('nan')):>15.2f}" for s in stages)
-    reward = row.get("critic/score/mean_before_processing", float("nan"))  # mean episode reward of the step
-    print(f"{row['step']:>4} {cells} {reward:>7.3f} {row.get('perf/throughput', float('nan')):>12.1f}")
-assert len(rows) == 3, f"expected 3 logged steps, found {len(rows)}"
-PY
-ls "$RUN_DIR"/checkpoints/global_step_3/verl/actor
-
-# ------------------------------------------------------------------ asynchronous training (issue 14)
-# 1. The verl plugin refuses trainer.async.max_staleness >= 1 at start-up, naming what it lacks (verl's hybrid
-#    engine shares the GPUs between actor and vLLM; verl 0.9's async trainers need separate pools), and
-#    nothing starts on the GPU.
-ASYNC_DIR=${RUN_DIR}_async
-rm -rf "$ASYNC_DIR" "${ASYNC_DIR}_verl"
-if agl train examples/calc_verl/recipe.yaml trainer.run_dir="${ASYNC_DIR}_verl" trainer.total_steps=1 \
-        trainer.resume=never trainer.async.max_staleness=1 \
-        plugins.verl.actor_rollout_ref.model.path="$MODEL" > "${ASYNC_DIR}_verl.log" 2>&1; then
-    echo "the verl plugin trained with trainer.async.max_staleness=1: it should have refused" >&2; exit 1
+else
+    $PY -c 'import agl_plugin_torch, agl_plugin_lora' || unusable "the embedded backend or the lora plugin is missing"
 fi
-grep -q "cannot train asynchronously" "${ASYNC_DIR}_verl.log"
-echo "verl plugin: asynchronous training refused at start-up, as documented"
 
-# 2. The embedded backend (agl-plugin-torch, installed here) on the
-#    GPU with k=1: the serving copy generates while the actor trains. Ten steps of the default recipe; the
-#    check reads the async/ metrics: staleness within the bound, nothing dropped, weight syncs timed.
-pip install -q -e plugins/agl-plugin-torch -e plugins/agl-plugin-sqlite
-agl train examples/guess_number/recipe.yaml trainer.run_dir="$ASYNC_DIR" trainer.total_steps=10 \
-    trainer.test_freq=5 trainer.save_freq=10 trainer.progress=false trainer.async.max_staleness=1 \
-    plugins.torch.model.device=cuda plugins.torch.num_threads=null
+MODEL=${MODEL:-}
+if [ -z "$MODEL" ]; then
+    MODEL=$WORK/model
+    $PY scripts/make_smoke_model.py "$MODEL" > /dev/null || unusable "could not make the smoke model"
+fi
+if [ "$DEVICE" = cuda ]; then
+    RECIPE=examples/smoke/recipe_verl.yaml
+    BACKEND=(plugins.verl.actor_rollout_ref.model.path="$MODEL")
+else  # the dry run: the same recipe and checks on the embedded backend, the same model from its directory
+    RECIPE=examples/smoke/recipe.yaml
+    BACKEND=(plugins.torch.model.path="$MODEL" plugins.torch.model.build=null)
+fi
+train() { $PY -m agl_core.cli train "$RECIPE" "${BACKEND[@]}" "$@"; }
+check() {
+    local name=$1; shift
+    if $PY scripts/check_run.py "$@" --initial-model "$MODEL" > "$OUT/check_$name.txt"; then
+        echo "check $name: PASS"
+    else
+        echo "check $name: FAIL"; grep "^FAIL" "$OUT/check_$name.txt"; FAILED+=("$name")
+    fi
+}
 
-python - "$ASYNC_DIR/metrics.jsonl" <<'PY'
-import json, sys
-rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-steps = [row for row in rows if row["step"] > 0 and "async/staleness_max" in row]
-print(f"\n{'step':>4} {'staleness_max':>13} {'dropped':>7} {'weight_sync_s':>13} {'backend_idle_s':>14} {'step_s':>7}")
-for row in steps:
-    print(f"{row['step']:>4} {row['async/staleness_max']:>13.0f} {row['async/n_stale_dropped']:>7.0f} "
-          f"{row['async/weight_sync_s']:>13.3f} {row['async/backend_idle_s']:>14.2f} {row['timing_s/step']:>7.2f}")
-assert len(steps) == 10, f"expected 10 asynchronous steps, found {len(steps)}"
-assert all(row["async/staleness_max"] <= 1 and row["async/n_stale_dropped"] == 0 for row in steps)
+RUN=$WORK/run
+phase "A. three steps, validation, checkpoint"
+TRACE_PID=
+if [ "$DEVICE" = cuda ]; then
+    nvidia-smi --query-gpu=timestamp,memory.used,memory.total --format=csv,noheader,nounits -lms 200 \
+        > "$OUT/gpu_memory.csv" &
+    TRACE_PID=$!
+fi
+train trainer.run_dir="$RUN" trainer.total_steps=3 trainer.test_freq=3 trainer.save_freq=3 trainer.resume=never \
+    > "$OUT/train_A.log" 2>&1 || { echo "agl train failed:"; tail -n 30 "$OUT/train_A.log"; FAILED+=("A-train"); }
+[ -n "$TRACE_PID" ] && kill "$TRACE_PID" 2>/dev/null
+cp "$RUN/metrics.jsonl" "$OUT/metrics_A.jsonl" 2>/dev/null
+check A "$RUN"
+
+phase "B. resume one step from step 3"
+train trainer.run_dir="$RUN" trainer.total_steps=4 trainer.test_freq=0 trainer.save_freq=1 trainer.resume=auto \
+    > "$OUT/train_B.log" 2>&1 || { echo "agl train failed:"; tail -n 30 "$OUT/train_B.log"; FAILED+=("B-train"); }
+grep -q "resumed from .*global_step_3" "$OUT/train_B.log" || { echo "no 'resumed from ... global_step_3' in the log"; FAILED+=("B-resume"); }
+check B "$RUN" --resumed-at 3
+
+phase "C. LoRA: the served log-probs are the adapted policy's"
+RUN_LORA=$WORK/run_lora
+train trainer.run_dir="$RUN_LORA" trainer.total_steps=3 trainer.test_freq=0 trainer.save_freq=3 trainer.resume=never \
+    plugins.lora.rank=8 plugins.lora.alpha=16 plugins.slots.compute_ref_logprob=lora \
+    > "$OUT/train_C.log" 2>&1 || { echo "agl train failed:"; tail -n 30 "$OUT/train_C.log"; FAILED+=("C-train"); }
+check C "$RUN_LORA"
+
+if [ "$DEVICE" = cuda ]; then
+    phase "D. GPU memory: the rollout servers' sleep frees it"
+    $PY - "$OUT/gpu_memory.csv" "$RUN/config.yaml" <<'PY' || FAILED+=("D-memory")
+import csv, sys
+import yaml
+rows = [(float(r[1]), float(r[2])) for r in csv.reader(open(sys.argv[1])) if len(r) == 3]
+used = [u for u, _ in rows]
+total = rows[0][1]
+share = yaml.safe_load(open(sys.argv[2]))["plugins"]["verl"]["actor_rollout_ref"]["rollout"].get(
+    "gpu_memory_utilization", 0.3)
+peak = max(used)
+first = used.index(peak)
+low_after = min(used[first:])
+step = max(1, len(used) // 40)
+print("MiB used, every", step * 0.2, "s:", " ".join(f"{u:.0f}" for u in used[::step]))
+print(f"peak {peak:.0f} MiB, lowest after it {low_after:.0f} MiB, the servers' share {share} of {total:.0f} MiB")
+# The servers hold about share * total (weights and KV cache) awake; asleep they release it for training.
+freed = peak - low_after
+ok = freed >= 0.5 * share * total
+print(f"freed {freed:.0f} MiB while asleep: {'PASS' if ok else 'FAIL'} (>= half of {share * total:.0f} MiB)")
+sys.exit(0 if ok else 1)
 PY
-ls "$ASYNC_DIR"/checkpoints/global_step_10
+fi
+
+phase "summary"
+$PY - "$OUT/metrics_A.jsonl" <<'PY'
+import json, sys
+stages = ["gen", "gen_postprocess", "old_log_prob", "ref", "values", "adv", "update_actor", "step"]
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+rows = [row for row in rows if row["step"] > 0 and "timing_s/step" in row]
+print(f"{'step':>4} " + " ".join(f"{s:>14}" for s in stages) + f" {'reward':>7} {'tis_mean':>8} {'mfu_infer':>9}")
+for row in rows:
+    cells = " ".join(f"{row.get(f'timing_s/{s}', float('nan')):>14.2f}" for s in stages)
+    print(f"{row['step']:>4} {cells} {row.get('critic/score/mean_before_processing', float('nan')):>7.3f} "
+          f"{row.get('rollout_corr/tis_mean', float('nan')):>8.4f} {row.get('perf/mfu/actor_infer', float('nan')):>9.4f}")
+PY
+echo "$((SECONDS - START)) s; results in $OUT"
+if [ ${#FAILED[@]} -eq 0 ]; then echo "GPU SMOKE (verl): PASS"; exit 0; fi
+echo "GPU SMOKE (verl): FAIL (${FAILED[*]})"
+exit 1

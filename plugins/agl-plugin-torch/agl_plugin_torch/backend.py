@@ -70,6 +70,7 @@ class Backend:
     weight_version: int = 0
     served: Any = field(default_factory=lambda: CONTEXT.Value("q", 0, lock=False))
     busy_at_step_start: float = 0.0  # the engine's generating CPU time when the step began
+    generated_at_step_start: tuple[int, float] = (0, 0.0)  # the engine's tokens and generating wall time then
     serving: PreTrainedModel | None = None
     serving_lock: Any = None
     update_process: WorkerProcess | None = None
@@ -150,6 +151,10 @@ class Backend:
     def generated_cpu_s(self) -> float:
         """CPU seconds the engine has spent generating so far (0 before it serves)."""
         return 0.0 if self.endpoint is None else self.endpoint.busy_cpu_s()
+
+    def generated(self) -> tuple[int, float]:
+        """``(tokens, wall seconds)`` the engine has generated and spent generating so far."""
+        return (0, 0.0) if self.endpoint is None else self.endpoint.generated()
 
     def stop_serving(self) -> None:
         try:

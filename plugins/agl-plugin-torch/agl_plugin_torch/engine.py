@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agl_plugin_torch.sampling import Sample, SamplingParams, generate
+from agl_plugin_torch.sampling import DYNAMIC, Sample, SamplingParams, generate
 
 log = logging.getLogger("agl_plugin_torch")
 
@@ -61,14 +61,21 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, lock: threading.Lock, weight_version: Callable[[], int], *,
                  eos_token_ids: Sequence[int], pad_token_id: int, decode: Callable[[list[int]], str],
-                 generator: torch.Generator, max_batch_rows: int = 256, batch_wait_s: float = 0.002):
+                 generator: torch.Generator, max_batch_rows: int = 256, batch_wait_s: float = 0.002,
+                 kv_cache: str = DYNAMIC, compile_decode: bool = False):
         self.model, self.lock, self.weight_version, self.generator = model, lock, weight_version, generator
+        self.kv_cache = kv_cache
+        # CUDA graphs of the decode step: torch.compile records one per batch shape on first use.
+        self.decode_forward = torch.compile(model.forward, mode="reduce-overhead") if compile_decode else None
         self.eos_token_ids, self.pad_token_id, self.decode = list(eos_token_ids), pad_token_id, decode
         self.max_batch_rows, self.batch_wait_s = max_batch_rows, batch_wait_s
         self.batches = 0  # generated batches
         # CPU time the worker spent generating: the model's share of a step's rollouts. (Its wall time
         # would also count the waits for the GIL, which the agents, the gateway and the servers hold.)
         self.busy_cpu_s = 0.0
+        # What a GPU's throughput is read from: the tokens generated and the wall time the batches took.
+        self.generated_tokens = 0
+        self.busy_wall_s = 0.0
         self._queue: queue.Queue[_Job] = queue.Queue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._work, name="agl-torch-engine", daemon=True)
@@ -152,13 +159,16 @@ class Engine:
         prompts = [p for job in jobs for p in job.prompts]
         params = [p for job in jobs for p in job.params]
         with self.lock:
-            start = time.thread_time()
+            start, wall_start = time.thread_time(), time.perf_counter()
             version = self.weight_version()
             samples = generate(self.model, prompts, params, eos_token_ids=self.eos_token_ids,
                                pad_token_id=self.pad_token_id, decode=self.decode, generator=self.generator,
-                               on_step=_streamer(jobs))
+                               on_step=_streamer(jobs), kv_cache=self.kv_cache,
+                               decode_forward=self.decode_forward)
             self.batches += 1
             self.busy_cpu_s += time.thread_time() - start
+            self.busy_wall_s += time.perf_counter() - wall_start
+            self.generated_tokens += sum(len(sample.token_ids) for sample in samples)
         start = 0
         for job in jobs:
             job.future.set_result(Generated(samples[start:start + len(job.prompts)], version))

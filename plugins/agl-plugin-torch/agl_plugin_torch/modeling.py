@@ -10,6 +10,7 @@ the network: every load is ``local_files_only``.
 from __future__ import annotations
 
 import copy
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -58,8 +59,9 @@ def word_tokenizer(vocabulary: list[str]) -> PreTrainedTokenizerFast:
 def model_config(build: BuildConfig, tokenizer: PreTrainedTokenizerBase):
     """The transformers config of a made model (tied embeddings, no dropout)."""
     cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[build.architecture]
-    return cls(vocab_size=len(tokenizer), hidden_size=build.hidden_size, num_hidden_layers=build.num_layers,
-               num_attention_heads=build.num_heads, num_key_value_heads=build.num_heads,
+    return cls(vocab_size=max(len(tokenizer), build.vocab_size or 0), hidden_size=build.hidden_size,
+               num_hidden_layers=build.num_layers, num_attention_heads=build.num_heads,
+               num_key_value_heads=build.num_kv_heads or build.num_heads,
                intermediate_size=build.intermediate_size or 4 * build.hidden_size,
                max_position_embeddings=build.max_position_embeddings, initializer_range=build.init_std,
                tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -101,12 +103,28 @@ def load(source: Path, config: ModelConfig) -> tuple[PreTrainedModel, PreTrained
     model with Qwen2's byte-level one (``llama`` models are left alone).
     """
     device, dtype = device_and_dtype(config)
+    attention = attention_implementation(config)
     tokenizer_class = PreTrainedTokenizerFast if config.build is not None else AutoTokenizer
     tokenizer = tokenizer_class.from_pretrained(source, local_files_only=True)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # left padding is masked out; any id will do
-    model = AutoModelForCausalLM.from_pretrained(source, local_files_only=True, dtype=dtype).to(device)
+    kwargs = {} if attention is None else {"attn_implementation": attention}
+    model = AutoModelForCausalLM.from_pretrained(source, local_files_only=True, dtype=dtype, **kwargs).to(device)
     return model.eval(), tokenizer
+
+
+def attention_implementation(config: ModelConfig) -> str | None:
+    """The ``attn_implementation`` to load with: the recipe's, or for ``auto`` the fastest this machine has.
+
+    ``auto`` on a GPU: FlashAttention 2 when ``flash_attn`` is importable, else
+    PyTorch's SDPA (which picks its flash or memory-efficient kernel itself);
+    on a CPU None, transformers' own default.
+    """
+    if config.attention != "auto":
+        return config.attention
+    if not config.on_cuda():
+        return None
+    return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "sdpa"
 
 
 def frozen_copy(model: PreTrainedModel) -> PreTrainedModel:

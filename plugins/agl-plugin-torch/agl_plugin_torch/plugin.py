@@ -21,11 +21,14 @@ from agl_core.plugins import PluginError
 from agl_plugin_torch.settings import NAME, TorchConfig
 
 if TYPE_CHECKING:
+    import torch
+
     from agl_plugin_torch import backend as torch_backend, worker_process
     from agl_plugin_torch.backend import ActorTransform, Backend
 else:  # torch and transformers: imported when a hook first runs, so importing the plugin (`agl plugins`) stays cheap
     torch_backend = LazyModule("agl_plugin_torch.backend", globals(), "torch_backend")
     worker_process = LazyModule("agl_plugin_torch.worker_process", globals())
+    torch = LazyModule("torch", globals())
 
 log = logging.getLogger("agl_plugin_torch")
 
@@ -104,6 +107,9 @@ class TorchBackend:
     def on_step_start(self, ctx, step):
         backend = backend_of(ctx)
         backend.busy_at_step_start = backend.generated_cpu_s()
+        backend.generated_at_step_start = backend.generated()
+        if backend.actor.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(backend.actor.device)
 
     @hookimpl
     def on_train_end(self, ctx):
@@ -123,6 +129,9 @@ class TorchBackend:
         if backend.endpoint is not None:
             # The model's own share of the rollouts (timing_s/gen also holds agents, HTTP, gateway, store).
             ctx.step_metrics["perf/gen_engine_cpu_s"] = backend.generated_cpu_s() - backend.busy_at_step_start
+            (tokens, wall_s), (tokens_0, wall_0) = backend.generated(), backend.generated_at_step_start
+            ctx.step_metrics["perf/gen_engine_tokens"] = float(tokens - tokens_0)
+            ctx.step_metrics["perf/gen_engine_wall_s"] = wall_s - wall_0
         if "rollout_log_probs" in batch:
             ctx.step_metrics.update(rollout_logprob_diff(log_probs, batch["rollout_log_probs"],
                                                          batch["response_mask"]))
@@ -149,6 +158,9 @@ class TorchBackend:
         keys += ["rollout_is_weights"] if "rollout_is_weights" in batch else []
         metrics = backend.run("update_actor", columns(backend, batch, keys), algorithm, policy_loss)
         backend.set_weight_version(ctx.step)  # the endpoint now serves this step's weights
+        if backend.actor.device.type == "cuda":  # verl's names: the step's peak, generation included
+            metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(backend.actor.device) / 2**30
+            metrics["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(backend.actor.device) / 2**30
         return metrics
 
     @hookimpl

@@ -15,8 +15,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from transformers import StaticCache
 
 STOP, LENGTH = "stop", "length"
+DYNAMIC, STATIC = "dynamic", "static"
+"""The KV caches :func:`generate` can use (``serving.kv_cache``)."""
 
 SEED_SPACE = 2**64
 """Seeds are taken modulo this, the range of ``torch.Generator.manual_seed`` (which itself wraps negative seeds
@@ -128,7 +131,8 @@ class _Rows:
 def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], *,
              eos_token_ids: Sequence[int], pad_token_id: int, decode: Callable[[list[int]], str],
              generator: torch.Generator | None = None,
-             on_step: Callable[[list[Sample], list[int]], None] | None = None) -> list[Sample]:
+             on_step: Callable[[list[Sample], list[int]], None] | None = None,
+             kv_cache: str = DYNAMIC, decode_forward: Callable[..., object] | None = None) -> list[Sample]:
     """Sample a continuation of every prompt; one :class:`Sample` per prompt, in order.
 
     A row ends on an EOS token (unless ``ignore_eos``), one of its
@@ -140,6 +144,12 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], params: S
     rows)``, when given, is called after each step with the rows that got a
     token in it (their last token, log-prob and alternatives are the new ones):
     what streaming reads.
+
+    ``kv_cache``: ``"dynamic"`` grows the cache a token at a time;
+    ``"static"`` allocates it whole on the model's device (prompt + longest
+    response), with an attention mask of that fixed width, so every decode
+    step has the same shapes: what ``decode_forward``, a compiled
+    ``model.forward`` (CUDA graphs), needs. Both give the same samples.
     """
     device = next(model.parameters()).device
     rows = _Rows(params, device)
@@ -151,11 +161,24 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], params: S
     stops = [set(p.stop_token_ids) | (set() if p.ignore_eos else eos) for p in params]
     texts: dict[int, str] = {}  # rows cut at a stop string
     active = list(range(len(prompts)))
-    cache = None
-    for step in range(max(p.max_tokens for p in params)):
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    past_key_values=cache, use_cache=True)
+    max_new = max(p.max_tokens for p in params)
+    prompt_width = input_ids.shape[1]
+    cache, forward = None, model
+    if kv_cache == STATIC:
+        cache = StaticCache(config=model.config, max_cache_len=prompt_width + max_new)
+        attention_mask = torch.cat([attention_mask, attention_mask.new_zeros(len(prompts), max_new)], dim=-1)
+    elif kv_cache != DYNAMIC:
+        raise ValueError(f"kv_cache must be {DYNAMIC!r} or {STATIC!r}, got {kv_cache!r}")
+    # Off the CPU only the last position is projected on the vocabulary (a (B, P, V) prefill's logits are
+    # gigabytes at a real vocabulary); on the CPU the full projection is kept: its rounding is what the golden
+    # runs of the tests recorded.
+    keep = {} if device.type == "cpu" else {"logits_to_keep": 1}
+    for step in range(max_new):
+        out = forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      past_key_values=cache, use_cache=True, **keep)
         cache = out.past_key_values
+        if decode_forward is not None:
+            forward = decode_forward  # the prefill ran eagerly; the decode steps, of one shape, run compiled
         logits = out.logits[:, -1].float()
         tokens = rows.choose(logits, generator)
         logprobs = torch.log_softmax(logits, dim=-1)
@@ -185,7 +208,11 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], params: S
             break
         # Every row advances by one token (finished rows too, unread): the cache stays rectangular.
         input_ids = tokens.unsqueeze(-1)
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(prompts), 1)], dim=-1)
+        if kv_cache == STATIC:
+            attention_mask = attention_mask.clone()  # a new tensor: a compiled step may hold the last one
+            attention_mask[:, prompt_width + step] = 1
+        else:
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(prompts), 1)], dim=-1)
         position_ids = position_ids[:, -1:] + 1
     for row, sample in enumerate(samples):
         sample.text = texts[row] if row in texts else decode(sample.token_ids)

@@ -50,6 +50,10 @@ class Endpoint:
         """How many batches the engine has generated."""
         return self.engine.batches
 
+    def generated(self) -> tuple[int, float]:
+        """``(tokens, seconds)``: the tokens the engine has generated and the wall time its batches took."""
+        return self.engine.generated_tokens, self.engine.busy_wall_s
+
     def generator_state(self) -> torch.Tensor:
         """The state of the generator unseeded requests draw from (saved with a checkpoint)."""
         return self.engine.generator.get_state()
@@ -68,7 +72,8 @@ def serve_model(model: torch.nn.Module, lock: Any, weight_version: Callable[[], 
     serving = config.serving
     engine = Engine(model, lock, weight_version, eos_token_ids=eos_token_ids, pad_token_id=tokenizer.pad_token_id,
                     decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), generator=generator,
-                    max_batch_rows=serving.max_batch_rows, batch_wait_s=serving.batch_wait_ms / 1000).start()
+                    max_batch_rows=serving.max_batch_rows, batch_wait_s=serving.batch_wait_ms / 1000,
+                    kv_cache=serving.kv_cache, compile_decode=serving.compile_decode).start()
     try:
         server = PolicyServer(engine, tokenizer, model.config.max_position_embeddings, serving, model_name).serve()
     except BaseException:
@@ -93,6 +98,9 @@ class RemoteEndpoint:
 
     def batches(self) -> int:
         return self.process.call("batches")
+
+    def generated(self) -> tuple[int, float]:
+        return self.process.call("generated")
 
     def generator_state(self) -> torch.Tensor:
         return self.process.call("generator_state")

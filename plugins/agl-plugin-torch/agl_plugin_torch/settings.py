@@ -25,6 +25,11 @@ class BuildConfig(_Section):
     hidden_size: int = Field(64, ge=8)
     num_layers: int = Field(2, ge=1)
     num_heads: int = Field(4, ge=1)
+    num_kv_heads: int | None = Field(None, ge=1, description="key/value heads, grouped-query attention "
+                                                             "(None: num_heads)")
+    vocab_size: int | None = Field(None, ge=1, description="rows of the embedding and the output layer, at least "
+                                   "the tokenizer's (None: the tokenizer's size); a larger one gives a made model "
+                                   "a real model's shape (151936 for Qwen2's), its extra tokens decode to nothing")
     intermediate_size: int | None = Field(None, ge=8, description="MLP width (None: 4 * hidden_size)")
     max_position_embeddings: int = Field(256, ge=8, description="longest prompt + response the model takes")
     init_std: float = Field(0.02, gt=0, description="standard deviation of the initial weights")
@@ -33,6 +38,8 @@ class BuildConfig(_Section):
     def _heads_divide_width(self) -> BuildConfig:
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}")
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         return self
 
 
@@ -41,6 +48,9 @@ class ModelConfig(_Section):
 
     path: str | None = Field(None, description="local directory of a Hugging Face causal LM and its tokenizer")
     build: BuildConfig | None = Field(None, description="make a randomly initialised model instead")
+    attention: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field(
+        "auto", description="attention kernel (transformers' attn_implementation); auto: on a GPU flash_attention_2 "
+                            "when the flash_attn package is importable, else sdpa; on a CPU transformers' default")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weights dtype; auto: bfloat16 on a GPU that supports it, float32 otherwise")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
@@ -103,10 +113,25 @@ class ServingConfig(_Section):
     batch_wait_ms: float = Field(2.0, ge=0, description="after a request arrives, wait this long for others "
                                                         "to join its batch (each new one restarts the wait)")
     default_max_tokens: int = Field(256, ge=1, description="response limit of a request that sets none")
+    kv_cache: Literal["dynamic", "static"] = Field(
+        "dynamic", description="dynamic: the KV cache grows a token at a time; static: it is allocated whole for "
+                               "each batch (prompt + longest response) on the model's device, every decode step "
+                               "of the batch then has one shape")
+    compile_decode: bool = Field(False, description="run the decode steps through torch.compile(mode="
+                                 "'reduce-overhead'), CUDA graphs on a GPU: needs kv_cache: static; each new batch "
+                                 "shape compiles once (seconds to a minute), so it pays off on long runs")
     process: bool = Field(True, description="on a CPU, serve from a process of its own (over the same weights in "
                           "shared memory), so that generation does not wait for the trainer's interpreter lock, "
                           "which the rollout plane's threads hold; the process is started by multiprocessing, so a script that trains "
                           "must guard its entry point with `if __name__ == '__main__'`")
+
+
+    @model_validator(mode="after")
+    def _compiled_decode_needs_a_static_cache(self) -> ServingConfig:
+        if self.compile_decode and self.kv_cache != "static":
+            raise ValueError("serving.compile_decode needs serving.kv_cache: static (a compiled step needs "
+                             "shapes that do not grow)")
+        return self
 
 
 class TorchConfig(_Section):

@@ -91,3 +91,23 @@ def test_sampled_tokens_follow_the_sampling_distribution():
         frequencies = torch.bincount(drawn, minlength=5) / len(drawn)
         assert frequencies.tolist() == pytest.approx(probs.tolist(), abs=0.015)
         assert frequencies[4] == 0  # a token with no probability is never drawn
+
+
+def test_a_static_kv_cache_generates_what_the_dynamic_one_does(backend):
+    """``kv_cache="static"`` (the whole cache allocated up front, a fixed-width mask) changes no sample or log-prob."""
+    tokenizer = backend.tokenizer
+    prompts = [prompt(backend, "guess a number"), prompt(backend, "hello"), prompt(backend, "1 2 3 4 5 6")]
+    params = [SamplingParams(max_tokens=7, temperature=0.8, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=3, temperature=0.0),
+              SamplingParams(max_tokens=5, temperature=1.0, seed=9)]
+
+    def run(kv_cache):
+        return generate(backend.actor, prompts, params, eos_token_ids=[tokenizer.eos_token_id],
+                        pad_token_id=tokenizer.pad_token_id,
+                        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), kv_cache=kv_cache)
+
+    for dynamic, static in zip(run("dynamic"), run("static")):
+        assert static.token_ids == dynamic.token_ids and static.finish_reason == dynamic.finish_reason
+        assert static.logprobs == pytest.approx(dynamic.logprobs, abs=1e-5)
+    with pytest.raises(ValueError, match="kv_cache must be"):
+        run("paged")

@@ -62,7 +62,9 @@ def _reduced(metrics: dict[str, Any], prefix: str) -> dict[str, float]:
 def compute_log_prob(actor, batch: Batch, temperature: float,
                      calculate_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
     """``(log_probs, entropy, metrics)`` of the responses under the current actor (``_compute_old_log_prob``)."""
-    td = _no_padding(batch, temperature=temperature, calculate_entropy=calculate_entropy, compute_loss=False)
+    # global_token_num (tokens per row, as verl's trainer sets it) is what verl's workers compute MFU from.
+    td = _no_padding(batch, temperature=temperature, calculate_entropy=calculate_entropy, compute_loss=False,
+                     global_token_num=batch["attention_mask"].sum(-1).tolist())
     output = actor.compute_log_prob(td)
     entropy = _padded(output, "entropy", td) if calculate_entropy else None
     mfu = _metrics(output).get("mfu")

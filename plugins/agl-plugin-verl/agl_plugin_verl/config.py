@@ -24,6 +24,7 @@ verl cannot honour, naming each key: none is silently dropped.
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +92,9 @@ def _sampling(field: str) -> Callable[[Recipe], float]:
 
     return value
 
+
+LORA_MERGE = "actor_rollout_ref.model.lora.merge"
+"""verl's switch that merges the LoRA adapter into the weights synced to the rollout servers."""
 
 LORA = "lora"
 """The plugin (agl-plugin-lora) whose recipe section ``plugins.lora`` drives verl's LoRA options."""
@@ -322,11 +326,37 @@ def build_verl_config(recipe: Recipe, section: VerlSection | Mapping[str, Any] |
     cpu = CPU_DEFAULTS if overrides.get("trainer.device") == "cpu" else {}
     for key, value in {**DEFAULTS, **cpu, **required}.items():
         _set(cfg, key, value, "agl-plugin-verl")
+    if lora_section(recipe) is not None and LORA_MERGE not in {key.lstrip("+") for key in overrides}:
+        # Agents call vLLM's OpenAI routes, which apply an unmerged adapter only to a request naming it: the
+        # adapter merged into the synced weights is what they are served (verl's generate() path needs neither).
+        _set(cfg, LORA_MERGE, True, f"agl-plugin-verl (plugin {LORA!r} active)")
     for key, value in overrides.items():
         _set(cfg, key, value, f"plugins.verl.{key.lstrip('+')}")
     OmegaConf.resolve(cfg)
+    default_critic_attention(cfg)
     check_lora(recipe, cfg)
     return cfg
+
+
+def default_critic_attention(cfg: DictConfig) -> None:
+    """The critic's attention kernel, when the recipe sets none: the actor's, unless flash-attn is importable.
+
+    verl loads a model whose ``override_config`` names no ``attn_implementation``
+    with ``flash_attention_2``, which fails without the flash-attn package (not
+    part of verl's documented install). The actor's is set by the recipe
+    (``sdpa`` in examples/calc_verl); the critic's, a separate section, is
+    not, so GAE would fail on a GPU that trains the actor fine. With flash-attn
+    importable verl's own default stands.
+    """
+    critic = cfg.get("critic")
+    if critic is None or "attn_implementation" in (critic.model.get("override_config") or {}):
+        return
+    if importlib.util.find_spec("flash_attn") is not None:
+        return
+    actor = cfg.actor_rollout_ref.model.get("override_config") or {}
+    with open_dict(cfg):
+        OmegaConf.update(cfg, "critic.model.override_config.attn_implementation",
+                         actor.get("attn_implementation", "sdpa"), merge=True, force_add=True)
 
 
 def check_lora(recipe: Recipe, cfg: DictConfig) -> None:

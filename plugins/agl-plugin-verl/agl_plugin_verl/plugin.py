@@ -184,6 +184,22 @@ def refuse_async(ctx) -> None:
             f"(agl-plugin-torch).")
 
 
+def check_served_model_name(recipe, cfg) -> None:
+    """ConfigError unless ``rollout.model`` is the name verl's rollout servers serve the model under (its path).
+
+    vLLM answers only to that name: with another, every agent's call is
+    refused with 404, every rollout fails and every step is skipped. CPU
+    workers serve nothing, so any name passes there.
+    """
+    from agl_plugin_verl.workers import CPU
+
+    served = cfg.actor_rollout_ref.model.path
+    if cfg.trainer.device != CPU and recipe.rollout.model != served:
+        raise ConfigError(f"rollout.model is {recipe.rollout.model!r}, but verl's rollout servers (vLLM) serve the "
+                          f"model as {served!r} (plugins.verl.actor_rollout_ref.model.path) and refuse every other "
+                          f"name: set rollout.model: {served}")
+
+
 @hookimpl
 def on_train_start(ctx):
     version = verl_version()  # before importing anything of verl, or reading the context
@@ -192,6 +208,7 @@ def on_train_start(ctx):
     from agl_plugin_verl.bridge import Registrations, install
 
     cfg = build_verl_config(ctx.config, ctx.plugin_config(NAME))
+    check_served_model_name(ctx.config, cfg)
     world = _check_batch_sizes(ctx.config, cfg)
     check_lora_reference(ctx)
     registrations = Registrations.from_components(ctx.components)
@@ -208,11 +225,6 @@ def on_train_start(ctx):
         _load(state.run, state.resume_from)
     if cfg.trainer.device != workers.CPU:
         state.run.servers = rollout.start(cfg, groups.actor, groups.pool, version)
-        served = cfg.actor_rollout_ref.model.path
-        if ctx.config.rollout.model != served:
-            # vLLM answers only to the name it serves the model under: its path.
-            log.warning("rollout.model is %r but verl's rollout servers serve the model as %r; agents' calls "
-                        "will be refused: set rollout.model: %s", ctx.config.rollout.model, served, served)
     ctx.world_size = groups.dp_size
     if groups.dp_size != world:
         log.warning("verl reports data-parallel size %d on %d processes", groups.dp_size, world)
@@ -225,7 +237,11 @@ def on_train_end(ctx):
     state = state_of(ctx)
     run, state.run = state.run, None
     if run is not None:
-        run.groups.shutdown()
+        try:
+            if run.servers is not None:  # their actors outlive the worker groups when Ray is someone else's
+                run.servers.shutdown()
+        finally:
+            run.groups.shutdown()
     if state.started_ray:
         state.started_ray = False
         ray.shutdown()

@@ -150,3 +150,23 @@ def test_section_schema_holds_any_verl_mapping():
     section = VerlSection.model_validate({"trainer": {"nnodes": 2}, "actor_rollout_ref.rollout.name": "sglang"})
     assert section.root["trainer"] == {"nnodes": 2}
     assert VerlSection().root == {}
+
+
+def test_the_critic_takes_the_actors_attention_unless_flash_attn_is_importable(monkeypatch):
+    """verl loads a model that names no attention kernel with flash_attention_2, which needs the flash-attn package."""
+    import importlib.util
+
+    sdpa = {"+actor_rollout_ref.model.override_config.attn_implementation": "sdpa"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else _find(name))
+    assert verl_value(build_verl_config(recipe(), sdpa), "critic.model.override_config.attn_implementation") == "sdpa"
+    assert verl_value(build_verl_config(recipe(), {}), "critic.model.override_config.attn_implementation") == "sdpa"
+    own = build_verl_config(recipe(), {**sdpa, "+critic.model.override_config.attn_implementation": "eager"})
+    assert verl_value(own, "critic.model.override_config.attn_implementation") == "eager"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else _find(name))
+    assert verl_value(build_verl_config(recipe(), sdpa), "critic.model.override_config.attn_implementation") is None
+
+
+def _find(name):
+    import importlib.machinery
+
+    return importlib.machinery.PathFinder.find_spec(name)

@@ -50,12 +50,16 @@ def test_mini_batch_must_split_over_the_workers():
 
 
 class FakeServers:
+    """Records the transitions verl's replicas would make (vLLM cannot run on a CPU)."""
+
     def __init__(self):
         self.calls = []
 
-    def servers(self) -> RolloutServers:
+    def servers(self, keeps_weights=False) -> RolloutServers:
         return RolloutServers(["10.0.0.1:8000", "[::1]:8001"], lambda v: self.calls.append(f"wake {v}"),
-                              lambda: self.calls.append("sleep"))
+                              lambda: self.calls.append("sleep"), _wake=lambda: self.calls.append("wake, no sync"),
+                              keeps_weights=keeps_weights, _abort=lambda: self.calls.append("abort"),
+                              _resume=lambda: self.calls.append("resume"))
 
 
 def test_rollout_servers_wake_with_current_weights_and_sleep_for_training():
@@ -67,7 +71,98 @@ def test_rollout_servers_wake_with_current_weights_and_sleep_for_training():
     servers.sleep()               # already asleep
     servers.endpoints(1)          # the actor changed: wake with its new weights
     servers.endpoints(2)          # awake but stale: verl loads weights into sleeping servers only
-    assert fake.calls == ["wake 0", "sleep", "wake 1", "sleep", "wake 2"]
+    assert fake.calls == ["wake 0", "resume", "abort", "sleep", "wake 1", "resume", "abort", "sleep", "wake 2",
+                          "resume"]
+    assert servers.syncs == 3
+
+
+def test_a_wake_syncs_weights_only_when_they_changed_or_the_sleep_discarded_them():
+    """A step that did not update the actor (critic warm-up) sleeps and wakes the servers with the same weights."""
+    kept = FakeServers()
+    servers = kept.servers(keeps_weights=True)   # vLLM sleep level 1: a LoRA adapter's weights are kept asleep
+    servers.endpoints(0)
+    servers.sleep()
+    servers.endpoints(0)                         # unchanged: woken without a sync
+    servers.sleep()
+    servers.endpoints(1)                         # changed: synced
+    assert [c for c in kept.calls if c.startswith("wake")] == ["wake 0", "wake, no sync", "wake 1"]
+    assert servers.syncs == 2
+    discarded = FakeServers()
+    servers = discarded.servers(keeps_weights=False)  # level 2: a full model's weights are discarded asleep
+    servers.endpoints(0)
+    servers.sleep()
+    servers.endpoints(0)
+    assert [c for c in discarded.calls if c.startswith("wake")] == ["wake 0", "wake 0"]
+
+
+def test_residual_requests_are_aborted_before_the_servers_sleep():
+    fake = FakeServers()
+    servers = fake.servers()
+    servers.endpoints(0)
+    servers.sleep()
+    assert fake.calls[-2:] == ["abort", "sleep"]
+    servers.endpoints(0)
+    assert fake.calls[-1] == "resume"  # requests are let in again once the weights are loaded
+
+
+@pytest.mark.parametrize("overrides, keeps", [
+    ({}, False),
+    ({"actor_rollout_ref.model.lora_rank": 8}, True),
+    ({"actor_rollout_ref.model.lora_rank": 8, "+actor_rollout_ref.model.lora.merge": True}, False),
+])
+def test_which_servers_keep_their_weights_asleep_follows_verl(overrides, keeps):
+    from agl_plugin_verl.rollout import sleep_keeps_weights
+
+    assert sleep_keeps_weights(verl_config(**overrides)) is keeps
+
+
+def test_a_wrong_model_name_is_a_start_up_error_on_gpu_workers():
+    recipe = validate_recipe(read_recipe(None, ["rollout.model=policy"]))
+    cfg = build_verl_config(recipe, {"actor_rollout_ref.model.path": "/models/tiny"})
+    with pytest.raises(ConfigError, match=r"rollout.model is 'policy', but verl's rollout servers \(vLLM\) serve "
+                                          r"the model as '/models/tiny'.*set rollout.model: /models/tiny"):
+        plugin.check_served_model_name(recipe, cfg)
+    right = validate_recipe(read_recipe(None, ["rollout.model=/models/tiny"]))
+    plugin.check_served_model_name(right, cfg)
+    cpu = build_verl_config(recipe, {"actor_rollout_ref.model.path": "/models/tiny", "trainer.device": "cpu"})
+    plugin.check_served_model_name(recipe, cpu)  # CPU workers serve nothing
+
+
+def test_on_train_start_refuses_a_wrong_model_name_before_starting_anything(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "init", lambda **kwargs: pytest.fail("Ray was started"))
+
+    class StartCtx(Ctx):
+        config = validate_recipe(read_recipe(None, ["rollout.model=policy"]))
+
+        def plugin_config(self, name):
+            return {"actor_rollout_ref.model.path": "/models/tiny"}
+    ctx = StartCtx()
+    with pytest.raises(ConfigError, match="rollout.model is 'policy'"):
+        plugin.on_train_start(ctx)
+    assert plugin.state_of(ctx).run is None
+
+
+def test_shutdown_stops_the_rollout_server_actors_even_when_ray_is_someone_elses(monkeypatch):
+    """Ray was running before the run (``started_ray`` is False): the server actors are killed all the same."""
+    import ray
+
+    killed, stopped = [], []
+    monkeypatch.setattr(ray, "kill", killed.append)
+    monkeypatch.setattr(ray, "shutdown", lambda: stopped.append(True))
+
+    class Groups:
+        def shutdown(self):
+            killed.append("worker groups")
+    fake = FakeServers()
+    servers = fake.servers()
+    servers.actors = ["vllm server 0", "vllm server 1", "load balancer"]
+    ctx = Ctx()
+    plugin.state_of(ctx).run = plugin.VerlRun(config=None, version=None, groups=Groups(), servers=servers)
+    plugin.on_train_end(ctx)
+    assert killed == ["vllm server 0", "vllm server 1", "load balancer", "worker groups"]
+    assert stopped == [] and servers.actors == []
 
 
 class Ctx:
@@ -128,3 +223,29 @@ def test_asynchronous_training_is_refused_at_start_naming_what_verl_lacks_here()
                                           r"one_step_off_policy.*separate rollout and trainer resource pools"):
         plugin.on_train_start(ctx)
     plugin.refuse_async(SimpleNamespace(config=validate_recipe({})))  # k=0: nothing to refuse
+
+
+def test_old_log_probs_send_the_token_counts_verls_workers_compute_mfu_from():
+    """verl's ``infer_batch`` reports ``mfu`` (logged as ``perf/mfu/actor_infer``) only when the batch carries
+    ``global_token_num``, as verl's trainer sets it: the tokens of each row. The worker group is a stand-in that
+    captures what it is sent (verl's CPU workers have no FLOPs counter, a CPU has no peak figure)."""
+    import torch
+
+    from agl_core.data import Batch
+    from agl_plugin_verl import calls
+    from verl.utils import tensordict_utils as tu
+
+    class Sent(Exception):
+        pass
+
+    class Actor:
+        def compute_log_prob(self, td):
+            raise Sent(tu.get(td, "global_token_num"))
+
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 0, 1, 1, 0]])
+    batch = Batch({"input_ids": torch.ones(3, 5, dtype=torch.long), "attention_mask": mask,
+                   "position_ids": (mask.cumsum(-1) - 1).clamp(min=0), "responses": torch.ones(3, 2, dtype=torch.long),
+                   "response_mask": mask[:, 3:]})
+    with pytest.raises(Sent) as sent:
+        calls.compute_log_prob(Actor(), batch, temperature=1.0)
+    assert list(sent.value.args[0]) == [3, 5, 2]
