@@ -677,6 +677,7 @@ def _immediate(conn: sqlite3.Connection, lock: threading.Lock) -> Iterator[sqlit
         try:
             yield conn
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:  # SQLite rolls back by itself on some errors (a full disk): its error stands
+                conn.execute("ROLLBACK")
             raise
         conn.execute("COMMIT")
