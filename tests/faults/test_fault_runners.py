@@ -31,6 +31,8 @@ from agl_core.store import NewRollout
 from agl_core.store_client import HttpStore
 
 TOKEN = "gateway-secret"
+ADMIN = "gateway-admin-secret"
+"""The gateway's admin token: the trainer's, never the agents'."""
 LEASE_S = 2
 START_S = 60.0  # bound on a process's start-up (it imports torch, on 2 busy cores)
 
@@ -72,7 +74,7 @@ class Plane:
         self.procs = []
         self.store = self._service("store", "serve", "store", "--db", tmp_path / "store.sqlite")
         self.gateway = self._service("gateway", "serve", "gateway", "--store", self.store, "--token", TOKEN,
-                                     "--upstream", endpoint_url)
+                                     "--upstream", endpoint_url, env={"AGL_GATEWAY_ADMIN_TOKEN": ADMIN})
 
     def _service(self, name: str, *args, env=None, prefix: str = "http://") -> str:
         log = self.tmp_path / f"{name}.log"
@@ -135,8 +137,9 @@ def test_a_runner_killed_mid_rollout_has_its_rollouts_finished_by_another_once(p
         assert conn.execute("SELECT COUNT(*), SUM(status = 'succeeded') FROM rollouts").fetchone() == (4, 4)
 
 
-@pytest.mark.parametrize("token", [None, "wrong"])
+@pytest.mark.parametrize("token", [None, "wrong", TOKEN])
 def test_a_missing_or_wrong_token_is_401_and_writes_nothing(plane, endpoint, token):
+    """The admin route takes the admin token only: the agents' own token (TOKEN) is refused like a wrong one."""
     with pytest.raises(ValueError, match=r"answered PUT /v1/admin/policy with 401: missing or wrong bearer token"):
         set_policy(plane.gateway, urls=["http://127.0.0.1:9/v1"], weight_version=5, token=token)
     health = httpx.get(f"{plane.gateway}/healthz", headers={"Authorization": f"Bearer {TOKEN}"}).json()
@@ -146,7 +149,7 @@ def test_a_missing_or_wrong_token_is_401_and_writes_nothing(plane, endpoint, tok
     try:
         store.enqueue([NewRollout("r", Task(id="t", input={}))])
         attempt = store.dequeue("test", lease_s=60)
-        base_url = Gateway.base_url(plane.gateway, "r", attempt.attempt_id)
+        base_url = Gateway.base_url(plane.gateway, "r", attempt.attempt_id, attempt.lease)
         body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
         if token is None:  # the openai client always sends a key
             refused = httpx.post(f"{base_url}/chat/completions", json=body)
@@ -156,7 +159,7 @@ def test_a_missing_or_wrong_token_is_401_and_writes_nothing(plane, endpoint, tok
                 openai.OpenAI(base_url=base_url, api_key=token, max_retries=0).chat.completions.create(**body)
         answered = openai.OpenAI(base_url=base_url, api_key=TOKEN, max_retries=0)
         answered.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
-        store.finish("r", attempt.attempt_id, "succeeded", 1.0)
+        store.finish("r", attempt.attempt_id, "succeeded", 1.0, lease=attempt.lease)
 
         def spans():
             return store.get_rollouts(["r"])[0].spans

@@ -77,7 +77,9 @@ def test_kill_9_of_a_span_writer_keeps_every_acknowledged_span_once(tmp_path):
             twice = conn.execute("SELECT rollout_id, attempt_id, sequence_id, COUNT(*) FROM spans "
                                  "GROUP BY rollout_id, attempt_id, sequence_id HAVING COUNT(*) > 1").fetchall()
         assert twice == []
-        assert store.finish("r", "1", "failed", error="the writer was killed")
+        with contextlib.closing(sqlite3.connect(path)) as conn:  # the operator's view: the killed writer's lease
+            (lease,) = conn.execute("SELECT lease FROM rollouts WHERE rollout_id = 'r'").fetchone()
+        assert store.finish("r", "1", "failed", error="the writer was killed", lease=lease)
         (rollout,) = store.get_rollouts(["r"])
         ids = [s.sequence_id for s in rollout.spans]
         assert ids[: highest + 1] == list(range(highest + 1))  # every acknowledged span, in order
