@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,7 @@ from agl_core.store_client import HttpStore
 from agl_plugin_sqlite.store import SqliteStore
 
 ROOT = Path(__file__).resolve().parents[2]
+AGL = shutil.which("agl") or str(Path(sys.executable).with_name("agl"))
 MESSAGES = [{"role": "user", "content": "ping"}]
 CASES = 12
 """Bad bodies drawn per route."""
@@ -44,7 +46,7 @@ def store(request, tmp_path):
         yield s
         s.close()
         return
-    proc = subprocess.Popen([sys.executable, "-m", "agl_core.cli", "serve", "store", "--db",
+    proc = subprocess.Popen([AGL, "serve", "store", "--db",
                              str(tmp_path / "service.sqlite")], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         url = proc.stdout.readline().strip()
@@ -172,7 +174,7 @@ def test_a_body_at_the_depth_limit_is_recorded_and_read_back_as_it_was_sent(gate
 
 def test_a_span_no_reader_could_read_is_refused_by_the_store_service_naming_its_path(tmp_path):
     """Spans arriving at ``agl serve store`` straight over HTTP (not through the gateway) are checked too."""
-    proc = subprocess.Popen([sys.executable, "-m", "agl_core.cli", "serve", "store", "--db",
+    proc = subprocess.Popen([AGL, "serve", "store", "--db",
                              str(tmp_path / "s.sqlite")], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         url = proc.stdout.readline().strip()
