@@ -28,7 +28,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from agl_core.recordable import MAX_REQUEST_DEPTH, NotRecordable, check_json
+from agl_core.recordable import MAX_REQUEST_DEPTH, NotRecordable, check_json, deep_path
 
 INT64_MAX = 2**63 - 1
 
@@ -154,7 +154,9 @@ def parse_json_object(raw: bytes, max_depth: int = MAX_REQUEST_DEPTH) -> dict[st
     except (ValueError, UnicodeDecodeError) as exc:
         raise RequestError(400, f"request body is not valid JSON: {exc}") from None
     except RecursionError:
-        raise RequestError(400, f"request body is nested too deeply (at most {max_depth} levels)") from None
+        where = deep_path(raw.decode("utf-8", "replace"), max_depth)
+        raise RequestError(400, f"request body is nested too deeply (at most {max_depth} levels)"
+                                + (f": {where!r} is nested deeper" if where else "")) from None
     if not isinstance(body, dict):
         raise RequestError(400, "request body must be a JSON object")
     try:

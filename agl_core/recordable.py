@@ -22,6 +22,8 @@ thread, another call or the run.
 
 from __future__ import annotations
 
+import json
+import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -48,6 +50,39 @@ def check_json(value: Any, max_depth: int, where: str = "") -> None:
     """NotRecordable naming the path (from ``where``) of the first key or string of ``value`` (parsed JSON) that
     holds a lone surrogate, or of the first value nested deeper than ``max_depth`` levels."""
     _check(value, max_depth, 1, [where] if where else [])
+
+
+def deep_path(raw: str, max_depth: int) -> str | None:
+    """The path of the first value of the JSON text ``raw`` nested deeper than ``max_depth`` levels, or None.
+
+    For a text too deep for Python's parser to hand over at all (about 1,000
+    levels): the path of what no parser here could read, found by following
+    its brackets, keys and commas, strings skipped whole.
+    """
+    path: list = []
+    expecting_key = False
+    for token in _TOKENS.finditer(raw):
+        text = token.group()
+        if text in "{[":
+            if len(path) >= max_depth:
+                return _path(path)
+            path.append(None if text == "{" else 0)
+            expecting_key = text == "{"
+        elif text in "}]":
+            if path:
+                path.pop()
+        elif text == ",":
+            if path and isinstance(path[-1], int):
+                path[-1] += 1
+            else:
+                expecting_key = True
+        elif text != ":" and expecting_key and path:
+            path[-1] = json.loads(text)
+            expecting_key = False
+    return None
+
+
+_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[{}\[\],:]')
 
 
 def check_span(span: Span) -> None:

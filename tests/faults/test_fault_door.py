@@ -94,6 +94,19 @@ def nested(depth: int, rng: random.Random):
     return value
 
 
+def nested_json(depth: int, rng: random.Random) -> str:
+    """:func:`nested` as JSON text (Python's own encoder stops near 1,000 levels)."""
+    opening, closing = [], []
+    for _ in range(depth):
+        if rng.random() < 0.5:
+            opening.append("[")
+            closing.append("]")
+        else:
+            opening.append(json.dumps({rng.choice(["a", "properties", "x-y", "é"]): 0})[:-2])
+            closing.append("}")
+    return "".join(opening) + '"leaf"' + "".join(reversed(closing))
+
+
 def lone_surrogate(rng: random.Random) -> str:
     """A JSON escape of a lone UTF-16 surrogate: high or low, alone or next to text."""
     code = rng.choice([0xD800, 0xDBFF, 0xDC00, 0xDFFF, rng.randint(0xD800, 0xDFFF)])
@@ -122,12 +135,13 @@ def bad_bodies(route: str, rng: random.Random):
     for _ in range(CASES):
         where = rng.choice(places)
         kind = rng.choice(["deep", "value", "key"])
+        mark = "\u2603MARK\u2603"
         if kind == "deep":
             depth = rng.choice([MAX_REQUEST_DEPTH, rng.randint(MAX_REQUEST_DEPTH, 300), rng.randint(300, 5000)])
-            body, path = place(good, where, nested(depth, rng), rng)
-            yield json.dumps(body).encode(), path, "nested"
+            body, path = place(good, where, mark, rng)
+            raw = json.dumps(body, ensure_ascii=False).replace(f'"{mark}"', nested_json(depth, rng))
+            yield raw.encode(), path, "nested"
         else:
-            mark = "\u2603SURROGATE\u2603"
             value = {mark: 1} if kind == "key" else [mark] if rng.random() < 0.3 else mark
             body, path = place(good, where, value, rng)
             raw = json.dumps(body, ensure_ascii=False).replace(mark, lone_surrogate(rng))
@@ -219,24 +233,25 @@ def test_a_full_store_fails_the_rollout_whose_span_it_lost_and_is_written_again_
     server = gw.serve()
     try:
         attempts = running(store, 3)
-        filler, blob, n = [], "x" * 8000, 0
-        while True:  # fill the file: enqueue big rollouts until one does not fit
-            try:
-                store.enqueue([NewRollout(f"fill{n}", Task(id="fill", input={"blob": blob}))])
-            except Exception as exc:  # noqa: BLE001 - the SQLite error of a full file
-                assert "full" in str(exc), exc
-                break
-            filler.append(f"fill{n}")
-            n += 1
-        lost = attempts["r0"]
-        reply = httpx.post(url_of(server, lost, "/chat/completions"), json={"model": "m", "messages": MESSAGES},
-                           timeout=60)
+        filler = []
+        for size in (8000, 2000, 500, 50):  # fill the file: enqueue rollouts until not even a small one fits
+            while True:
+                try:
+                    store.enqueue([NewRollout(f"fill{len(filler)}", Task(id="fill", input={"blob": "x" * size}))])
+                except Exception as exc:  # noqa: BLE001 - the SQLite error of a full file
+                    assert "full" in str(exc), exc
+                    break
+                filler.append(f"fill{len(filler)}")
+        lost = attempts["r0"]  # a call whose span needs pages the file has no room for (a page is 4 KiB)
+        big = [{"role": "user", "content": "ping " * 4000}]
+        reply = httpx.post(url_of(server, lost, "/chat/completions"), json={"model": "m", "messages": big,
+                                                                             "max_tokens": 4}, timeout=60)
         assert reply.status_code == 200, reply.text  # answered: its span is lost later, on the writer thread
         store.flush()
         store.release(filler)  # room again
         for attempt in (attempts["r1"], attempts["r2"]):
             reply = httpx.post(url_of(server, attempt, "/chat/completions"),
-                               json={"model": "m", "messages": MESSAGES}, timeout=60)
+                               json={"model": "m", "messages": big, "max_tokens": 4}, timeout=60)
             assert reply.status_code == 200, reply.text
         for attempt in attempts.values():
             store.finish(attempt.rollout_id, attempt.attempt_id, "succeeded", 1.0, lease=attempt.lease)
