@@ -129,7 +129,7 @@ def test_absurd_requests_get_a_400_and_the_gateway_stays_responsive(gateway, sto
         answer = httpx.post(url, content=json.dumps(body), timeout=10)  # json.dumps writes NaN/Infinity
         assert answer.status_code == 400 and message in answer.json()["error"]["message"], answer.text
     deep = httpx.post(url, content=b"[" * 100_000 + b"]" * 100_000, timeout=10)
-    assert deep.status_code == 400 and deep.json()["error"]["message"] == "request body is nested too deeply"
+    assert deep.status_code == 400 and deep.json()["error"]["message"].startswith("request body is nested too deeply")
     assert httpx.get(f"{server.url}/healthz", timeout=2).status_code == 200
     assert endpoint.calls == 0  # nothing was forwarded
     store.flush()

@@ -13,6 +13,7 @@ policy endpoint on 127.0.0.1, agents calling the model through the real ``openai
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import sqlite3
@@ -35,6 +36,11 @@ ADMIN = "gateway-admin-secret"
 """The gateway's admin token: the trainer's, never the agents'."""
 LEASE_S = 2
 START_S = 60.0  # bound on a process's start-up (it imports torch, on 2 busy cores)
+
+def with_pythonpath(path) -> str:
+    """``path`` ahead of this process's PYTHONPATH (a checkout's code first, as in this process)."""
+    return os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")]))
+
 
 AGENTS = '''
 import os
@@ -84,7 +90,8 @@ class Plane:
     def runner(self, name: str, sleep_s: float = 0.0):
         self._service(name, "runner", "--store", self.store, "--gateway", self.gateway, "--gateway-token", TOKEN,
                       "--agent", "fault_agents:echo", "--workers", "4", "--lease-s", LEASE_S,
-                      env={"PYTHONPATH": str(self.tmp_path), "AGENT_SLEEP_S": str(sleep_s)}, prefix="agl runner: ")
+                      env={"PYTHONPATH": with_pythonpath(self.tmp_path), "AGENT_SLEEP_S": str(sleep_s)},
+                      prefix="agl runner: ")
         return self.procs[-1]
 
     def close(self) -> None:
@@ -151,7 +158,9 @@ def test_a_missing_or_wrong_token_is_401_and_writes_nothing(plane, endpoint, tok
         attempt = store.dequeue("test", lease_s=60)
         base_url = Gateway.base_url(plane.gateway, "r", attempt.attempt_id, attempt.lease)
         body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
-        if token is None:  # the openai client always sends a key
+        if token == TOKEN:  # the agents' token: refused by the admin route above, taken by the agents' routes
+            pass
+        elif token is None:  # the openai client always sends a key
             refused = httpx.post(f"{base_url}/chat/completions", json=body)
             assert refused.status_code == 401 and "missing or wrong bearer token" in refused.text
         else:
@@ -173,7 +182,8 @@ def test_a_missing_or_wrong_token_is_401_and_writes_nothing(plane, endpoint, tok
 
 def test_a_runner_with_a_wrong_gateway_token_exits_naming_the_gateway(plane, agl):
     done = agl.run("runner", "--store", plane.store, "--gateway", plane.gateway, "--gateway-token", "wrong",
-                   "--agent", "fault_agents:echo", "--connect-timeout-s", 5, env={"PYTHONPATH": str(plane.tmp_path)},
+                   "--agent", "fault_agents:echo", "--connect-timeout-s", 5,
+                   env={"PYTHONPATH": with_pythonpath(plane.tmp_path)},
                    timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert f"agl: error: the gateway at {plane.gateway} refuses the token given" in done.stderr
@@ -185,7 +195,7 @@ def test_a_runner_against_a_store_that_does_not_answer_retries_then_exits_naming
         probe.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{probe.getsockname()[1]}"
     done = agl.run("runner", "--store", url, "--gateway", "http://127.0.0.1:9", "--agent", "fault_agents:echo",
-                   "--connect-timeout-s", 2, env={"PYTHONPATH": str(tmp_path)}, timeout=120)
+                   "--connect-timeout-s", 2, env={"PYTHONPATH": with_pythonpath(tmp_path)}, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("agl: error:")]
     assert len(errors) == 1 and f"the store service at {url} does not answer" in errors[0]

@@ -38,7 +38,7 @@ while True:
     ids = [store.next_sequence_id("r") for _ in range(50)]
     store.add_spans([Span(rollout_id="r", attempt_id=attempt.attempt_id, sequence_id=i, kind="llm_call",
                           prompt_token_ids=list(range(40)), response_token_ids=[i], response_logprobs=[-0.5])
-                     for i in ids])
+                     for i in ids], leases={("r", attempt.attempt_id): attempt.lease})
     store.flush()
     print(ids[-1], flush=True)  # every span up to here is acknowledged
 """
