@@ -8,9 +8,10 @@ worker (or the runner on its behalf) renews the lease with
 (:attr:`Attempt.lease`, unguessable): only its holder acts on the attempt.
 ``heartbeat``, ``finish``, ``admit`` and span writes name it, and a call
 that names a running attempt with another token raises :class:`LeaseError`
-(the store service answers 409), so a runner acts only on what it holds. When a lease runs out the worker is presumed lost:
-the rollout goes back to the front of the queue while it has attempts left
-(``max_attempts`` counts all attempts), else it ends ``failed``. An attempt
+(the store service answers 409), so a runner acts only on what it holds.
+When a lease runs out the worker is presumed lost: the rollout goes back to
+the front of the queue while it has attempts left (``max_attempts`` counts
+all attempts), else it ends ``failed``. An attempt
 that ends by itself (:meth:`Store.finish`) is final, whatever its status.
 
 Spans (model calls, rewards, annotations) are written with

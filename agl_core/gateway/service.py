@@ -2,8 +2,9 @@
 
 Agents on other machines reach a gateway served this way; several can serve
 behind one store. Its admin route (``PUT /v1/admin/policy``) takes the admin
-token in ``$AGL_GATEWAY_ADMIN_TOKEN``, never the agents' ``--token``. Its clients (the trainer's :func:`~agl_core.gateway.client.set_policy`,
-the runners' :func:`~agl_core.gateway.client.check_gateway`) are in
+token in ``$AGL_GATEWAY_ADMIN_TOKEN``, never the agents' ``--token``. Its
+clients (the trainer's :func:`~agl_core.gateway.client.set_policy`, the
+runners' :func:`~agl_core.gateway.client.check_gateway`) are in
 :mod:`agl_core.gateway.client`.
 """
 
