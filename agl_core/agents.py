@@ -208,6 +208,8 @@ class RolloutScope:
     store: Store
     agent_name: str | None = None
     last_reward: float | None = None
+    lease: str | None = None
+    """The attempt's lease token: what the store asks of its spans."""
 
 
 _scope: contextvars.ContextVar[RolloutScope | None] = contextvars.ContextVar("agl_rollout_scope", default=None)
@@ -239,7 +241,7 @@ def _emit(kind: str, reward: float | None, attributes: dict[str, Any]) -> None:
     span = Span(rollout_id=scope.rollout_id, attempt_id=scope.attempt_id, kind=kind, reward=reward,
                 sequence_id=scope.store.next_sequence_id(scope.rollout_id), attributes=attributes,
                 start_time=now, end_time=now)
-    scope.store.add_spans([span])
+    scope.store.add_spans([span], leases={(scope.rollout_id, scope.attempt_id): scope.lease})
     if reward is not None:
         scope.last_reward = reward
 

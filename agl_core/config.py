@@ -160,6 +160,9 @@ class GatewayConfig(Section):
     port: int = Field(0, ge=0, le=65535, description="port to bind (0: a free port chosen by the OS)")
     token: str | None = Field(None, description="bearer token agents must send (default: $AGL_GATEWAY_TOKEN); "
                                                 "required when host is not a loopback address")
+    admin_token: str | None = Field(None, description="bearer token of the admin routes (PUT /v1/admin/policy; "
+                                                      "default: $AGL_GATEWAY_ADMIN_TOKEN); never given to agents. "
+                                                      "Unset with a token set: the admin routes are refused")
     max_body_bytes: int = Field(8 * 2**20, ge=1024, description="larger request bodies are refused with 413")
     body_timeout_s: float = Field(30.0, gt=0, description="time a client may take to send a request body; "
                                                           "a slower one is answered 408 and disconnected")

@@ -28,6 +28,8 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from agl_core.recordable import MAX_REQUEST_DEPTH, NotRecordable, check_json, deep_path
+
 INT64_MAX = 2**63 - 1
 
 
@@ -143,16 +145,24 @@ async def read_body(request: Request, limit: int, limit_setting: str, timeout_s:
     return b"".join(chunks)
 
 
-def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object, or the RequestError (400) that says what is wrong with it."""
+def parse_json_object(raw: bytes, max_depth: int = MAX_REQUEST_DEPTH) -> dict[str, Any]:
+    """The body as a JSON object, or the RequestError (400) that says what is wrong with it: not JSON, not an
+    object, nested deeper than ``max_depth`` levels, or holding a lone surrogate (:mod:`agl_core.recordable`:
+    what no store could record), the last two naming the path."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise RequestError(400, f"request body is not valid JSON: {exc}") from None
     except RecursionError:
-        raise RequestError(400, "request body is nested too deeply") from None
+        where = deep_path(raw.decode("utf-8", "replace"), max_depth)
+        raise RequestError(400, f"request body is nested too deeply (at most {max_depth} levels)"
+                                + (f": {where!r} is nested deeper" if where else "")) from None
     if not isinstance(body, dict):
         raise RequestError(400, "request body must be a JSON object")
+    try:
+        check_json(body, max_depth)
+    except NotRecordable as exc:
+        raise RequestError(400, f"request body: {exc}") from None
     return body
 
 

@@ -2,7 +2,9 @@
 
 :class:`LocalRunner` runs agent workers and a supervisor thread: the
 supervisor renews the leases of its running attempts and ends an attempt that
-outlives ``timeout_s`` as ``timed_out``. A worker stuck in an agent that timed
+outlives ``timeout_s`` as ``timed_out``, each under the lease token the
+store gave with the attempt (the agent's base URL carries it too, so its
+calls are recorded for its own attempt only). A worker stuck in an agent that timed
 out is retired and replaced (a Python thread cannot be killed), so a hung
 agent costs a thread, never the step. The workers run in the trainer's
 process (the ``local_runner`` plugin) or in a runner process anywhere
@@ -35,7 +37,7 @@ from tqdm import tqdm
 
 from agl_core.agents import LLM, RolloutScope, agent_name, as_reward, rollout_scope
 from agl_core.data import Rollout, Task
-from agl_core.store import FAILED, QUEUING, RUNNING, SUCCEEDED, TIMED_OUT, Attempt, NewRollout, Store
+from agl_core.store import FAILED, QUEUING, RUNNING, SPANS_LOST, SUCCEEDED, TIMED_OUT, Attempt, NewRollout, Store
 
 log = logging.getLogger("agl_core.runner")
 STALL_WARNING_S = 60.0
@@ -78,13 +80,13 @@ class RunResult:
 class LocalRunner:
     """Runs ``agent`` on rollouts from ``store`` with ``n_workers`` threads.
 
-    ``llm_for(rollout_id, attempt_id)`` builds the :class:`~agl_core.agents.LLM`
-    an attempt gets (its base URL points at the gateway). ``max_attempts`` is
+    ``llm_for(rollout_id, attempt_id, lease)`` builds the :class:`~agl_core.agents.LLM`
+    an attempt gets (its base URL points at the gateway and carries the lease token). ``max_attempts`` is
     what :meth:`run` gives the rollouts it queues. ``timeout_setting`` names
     where ``timeout_s`` was set, for the error of a timed-out attempt.
     """
 
-    def __init__(self, store: Store, agent: Callable, llm_for: Callable[[str, str], LLM], *, n_workers: int = 8,
+    def __init__(self, store: Store, agent: Callable, llm_for: Callable[[str, str, str], LLM], *, n_workers: int = 8,
                  timeout_s: float = 600.0, lease_s: float = 30.0, max_attempts: int = 2,
                  timeout_setting: str = "rollout.timeout_s"):
         self.store, self.agent, self.llm_for = store, agent, llm_for
@@ -160,23 +162,23 @@ class LocalRunner:
                 with self._lock:
                     still_ours = self._running.pop((attempt.rollout_id, attempt.attempt_id), None) is not None
                 if still_ours:  # else the supervisor ended it (timed out) and retired this worker
-                    self._finish(attempt.rollout_id, attempt.attempt_id, status, reward, error)
+                    self._finish(attempt, status, reward, error)
         finally:
             if loop is not None:
                 close_loop(loop)
 
-    def _finish(self, rollout_id: str, attempt_id: str, status: str, reward: float | None = None,
-                error: str | None = None) -> None:
+    def _finish(self, attempt: Attempt, status: str, reward: float | None = None, error: str | None = None) -> None:
         try:
-            self.store.finish(rollout_id, attempt_id, status, reward, error)
+            self.store.finish(attempt.rollout_id, attempt.attempt_id, status, reward, error, lease=attempt.lease)
         except Exception:  # noqa: BLE001 - the lease runs out and the store requeues the rollout elsewhere
-            log.exception("cannot record the end (%s) of attempt %s of rollout %s", status, attempt_id, rollout_id)
+            log.exception("cannot record the end (%s) of attempt %s of rollout %s", status, attempt.attempt_id,
+                          attempt.rollout_id)
 
     def _run_agent(self, attempt: Attempt, running: _Running,
                    loop: asyncio.AbstractEventLoop | None) -> tuple[str, float | None, str | None]:
         """(status, final reward, error) of one attempt; an exception of the agent is a failure, never a crash."""
-        llm = self.llm_for(attempt.rollout_id, attempt.attempt_id)
-        scope = RolloutScope(attempt.rollout_id, attempt.attempt_id, self.store, self.agent_name)
+        llm = self.llm_for(attempt.rollout_id, attempt.attempt_id, attempt.lease)
+        scope = RolloutScope(attempt.rollout_id, attempt.attempt_id, self.store, self.agent_name, lease=attempt.lease)
         try:
             with rollout_scope(scope):
                 if loop is None:
@@ -213,7 +215,7 @@ class LocalRunner:
             for key, _ in overdue:
                 del self._running[key]
         for (rollout_id, attempt_id), running in overdue:
-            self._finish(rollout_id, attempt_id, TIMED_OUT,
+            self._finish(running.attempt, TIMED_OUT,
                          error=f"the agent did not finish within {self.timeout_setting}={self.timeout_s:g}")
             running.worker.retired = True
             if running.cancel is not None:
@@ -224,9 +226,9 @@ class LocalRunner:
 
     def _heartbeat(self) -> None:
         with self._lock:
-            keys = list(self._running)
-        for rollout_id, attempt_id in keys:
-            self.store.heartbeat(rollout_id, attempt_id, self.lease_s)
+            attempts = [running.attempt for running in self._running.values()]
+        for attempt in attempts:
+            self.store.heartbeat(attempt.rollout_id, attempt.attempt_id, self.lease_s, lease=attempt.lease)
 
     # ------------------------------------------------------------ one step
 
@@ -316,12 +318,15 @@ def cancel_abandoned(store: Store, run_id: str | None) -> int:
 
 
 def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
-    """``rollout/…`` metrics of a step: counts by outcome, retries, and latency percentiles (seconds)."""
+    """``rollout/…`` metrics of a step: counts by outcome (``n_spans_lost``: failed because some of their spans
+    could not be written), retries, and latency percentiles (seconds)."""
     metrics = {
         "rollout/n_rollouts": float(len(rollouts)),
         "rollout/n_succeeded": float(sum(r.status == SUCCEEDED for r in rollouts)),
         "rollout/n_failed": float(sum(r.status == FAILED for r in rollouts)),
         "rollout/n_timed_out": float(sum(r.status == TIMED_OUT for r in rollouts)),
+        "rollout/n_spans_lost": float(sum(r.status == FAILED and (r.error or "").startswith(SPANS_LOST)
+                                          for r in rollouts)),
         "rollout/n_retried": float(sum(r.attempts > 1 for r in rollouts)),
     }
     latencies = [r.end_time - r.start_time for r in rollouts if r.start_time is not None and r.end_time is not None]

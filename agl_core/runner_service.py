@@ -15,7 +15,7 @@ Another host of runners (a Ray actor, a test) calls, with any
 It runs ``workers`` agent workers on rollouts leased from ``store`` until
 the :class:`threading.Event` ``stop`` is set; every attempt's
 :class:`~agl_core.agents.LLM` has the base URL
-``Gateway.base_url(gateway_url, rollout_id, attempt_id)``, ``model`` and
+``Gateway.base_url(gateway_url, rollout_id, attempt_id, lease)``, ``model`` and
 ``api_key`` (the gateway's token, or any string when it has none), and no
 ``sampling``: the gateway adds the run's to calls that do not set it. Once
 ``stop`` is set it leases nothing more and gives the running attempts up to
@@ -53,8 +53,8 @@ def serve_runner(store: Store, gateway_url: str, agent: Callable, *, stop: threa
     attempt that timed out.
     """
 
-    def llm_for(rollout_id: str, attempt_id: str) -> LLM:
-        return LLM(Gateway.base_url(gateway_url, rollout_id, attempt_id), model, api_key)
+    def llm_for(rollout_id: str, attempt_id: str, lease: str) -> LLM:
+        return LLM(Gateway.base_url(gateway_url, rollout_id, attempt_id, lease), model, api_key)
 
     runner = LocalRunner(store, agent, llm_for, n_workers=workers, timeout_s=timeout_s, lease_s=lease_s,
                          timeout_setting=timeout_setting).start()

@@ -8,61 +8,63 @@ idle a span is written at once. :meth:`SpanBatcher.flush` returns once every
 span put before it is written. :meth:`SpanBatcher.carry` lets a caller take
 the spans waiting and send them with a request of its own.
 
-The first failed write sticks: spans queued after it are dropped and every
-later ``put`` and ``flush`` raises a RuntimeError with ``describe(error)``, so
-nothing is lost silently and the thread prints nothing.
+A failed write loses its batch alone: ``lost(spans, error)`` is told (the
+store fails the attempts those spans belong to, and logs), and the next
+batch is written as if nothing happened, so a store that was full and has
+room again is written to again. No error outlives its batch. A batch refused
+for what a span holds (an error of the types ``refusals``: a span that
+conflicts with one written, of an ended attempt) is written again span by
+span, so that only the refused spans are lost.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import Generic, TypeVar
 
-if TYPE_CHECKING:
-    from agl_core.data import Span
-
+log = logging.getLogger("agl_core.span_batcher")
 T = TypeVar("T")
+"""What is queued: a span, or a span with what its write needs (the store client's lease token)."""
+R = TypeVar("R")
 
 
-class SpanBatcher(threading.Thread):
+class SpanBatcher(threading.Thread, Generic[T]):
     """Calls ``write(spans)`` on this thread with the spans :meth:`put` queued, in batches of up to ``batch_size``."""
 
-    def __init__(self, write: Callable[[list[Span]], None], describe: Callable[[BaseException], str], *,
-                 name: str, batch_size: int, max_pending: int):
+    def __init__(self, write: Callable[[list[T]], None], lost: Callable[[list[T], BaseException], None], *,
+                 name: str, batch_size: int, max_pending: int, refusals: tuple[type[BaseException], ...] = ()):
         super().__init__(name=name, daemon=True)
-        self.write, self.describe, self.batch_size = write, describe, batch_size
-        self.pending: queue.Queue[Span | None] = queue.Queue(maxsize=max_pending)
+        self.write, self.lost, self.batch_size, self.refusals = write, lost, batch_size, refusals
+        self.pending: queue.Queue[T | None] = queue.Queue(maxsize=max_pending)
         self.done = threading.Condition()
         self.added = self.written = 0
-        self.error: BaseException | None = None
 
-    def put(self, spans: Sequence[Span]) -> None:
-        """Queue ``spans``; raises the first failed write's error."""
-        self._raise_error()
+    def put(self, spans: Sequence[T]) -> None:
+        """Queue ``spans``."""
         with self.done:
             self.added += len(spans)
         for span in spans:
             self.pending.put(span)
 
     def flush(self) -> None:
-        """Return once every span put so far is written; raises the first failed write's error."""
+        """Return once every span put so far is written (or lost, and ``lost`` told)."""
         with self.done:
             target = self.added
-            while self.written < target and self.error is None:
+            while self.written < target:
                 self.done.wait(1.0)
-        self._raise_error()
 
-    def carry(self, send: Callable[[list[Span]], T]) -> T:
+    def carry(self, send: Callable[[list[T]], R]) -> R:
         """``send(spans)`` on the caller's thread with the spans waiting now (up to ``batch_size``; maybe none),
         so that they ride on a request the caller makes anyway.
 
         They count as written once ``send`` returns. If it raises, they are queued again for this thread
-        (so a write must be idempotent) and the error propagates. After a failed write nothing is taken.
+        (so a write must be idempotent) and the error propagates.
         """
-        spans: list[Span] = []
-        while self.error is None and len(spans) < self.batch_size:
+        spans: list[T] = []
+        while len(spans) < self.batch_size:
             try:
                 span = self.pending.get_nowait()
             except queue.Empty:
@@ -89,9 +91,18 @@ class SpanBatcher(threading.Thread):
             self.pending.put(None)  # after every queued span: they are written first
             self.join(timeout_s)
 
-    def _raise_error(self) -> None:
-        if self.error is not None:
-            raise RuntimeError(self.describe(self.error)) from self.error
+    def _write(self, spans: list[T]) -> None:
+        try:
+            self.write(spans)
+        except self.refusals if len(spans) > 1 else () as exc:  # which span? each alone says
+            log.info("%s: a batch of %d spans was refused (%s); writing them one by one", self.name, len(spans), exc)
+            for span in spans:
+                self._write([span])
+        except Exception as exc:  # noqa: BLE001 - this batch's attempts fail; the next batch is written
+            try:
+                self.lost(spans, exc)
+            except Exception:  # noqa: BLE001 - the thread must go on writing whatever the report does
+                log.exception("%s could not report %d lost spans", self.name, len(spans))
 
     def run(self) -> None:
         while True:
@@ -102,11 +113,8 @@ class SpanBatcher(threading.Thread):
                 except queue.Empty:
                     break
             spans = [span for span in batch if span is not None]
-            if spans and self.error is None:
-                try:
-                    self.write(spans)
-                except BaseException as exc:  # surfaced by every later put/flush instead of a silent loss
-                    self.error = exc
+            if spans:
+                self._write(spans)
             with self.done:
                 self.written += len(spans)
                 self.done.notify_all()

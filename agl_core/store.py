@@ -4,15 +4,29 @@ A rollout moves through ``queuing → running → succeeded | failed | timed_out
 A worker takes a queued rollout with :meth:`Store.dequeue`, which starts a new
 *attempt* (ids ``"1"``, ``"2"``, …) under a lease of ``lease_s`` seconds; the
 worker (or the runner on its behalf) renews the lease with
-:meth:`Store.heartbeat`. When a lease runs out the worker is presumed lost:
-the rollout goes back to the front of the queue while it has attempts left
-(``max_attempts`` counts all attempts), else it ends ``failed``. An attempt
+:meth:`Store.heartbeat`. The attempt carries a *lease token*
+(:attr:`Attempt.lease`, unguessable): only its holder acts on the attempt.
+``heartbeat``, ``finish``, ``admit`` and span writes name it, and a call
+that names a running attempt with another token raises :class:`LeaseError`
+(the store service answers 409), so a runner acts only on what it holds.
+When a lease runs out the worker is presumed lost: the rollout goes back to
+the front of the queue while it has attempts left (``max_attempts`` counts
+all attempts), else it ends ``failed``. An attempt
 that ends by itself (:meth:`Store.finish`) is final, whatever its status.
 
 Spans (model calls, rewards, annotations) are written with
 :meth:`Store.add_spans` under ids from :meth:`Store.next_sequence_id` (or,
 for a model call, :meth:`Store.admit`: the check that the attempt runs and
-its ids in one request, which a remote store answers in one round trip); a
+its ids in one request, which a remote store answers in one round trip). A
+span is accepted only for the running attempt, under its lease token
+(``add_spans(spans, leases={(rollout_id, attempt_id): token})``): spans of an
+unknown or ended attempt raise :class:`LeaseError`, and so does a span whose
+key (rollout, attempt, sequence id) is already held with other content (the
+same span written again is idempotent). Every span is checked with
+:func:`agl_core.recordable.check_span` when it is added, so a span a store
+could not write back faithfully fails its own call, never a writer thread.
+A span accepted and then lost (a full disk) fails its own attempt: its
+``finish`` ends it ``failed`` with :data:`SPANS_LOST` in the error. A
 finished rollout is read back with the spans of its last attempt only. The
 consumer calls :meth:`Store.release` once it has the rollouts, so that a store
 never holds what nobody will read again.
@@ -24,7 +38,9 @@ recipe key ``rollout.store``. Every method is thread-safe.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hmac
+import secrets
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -55,13 +71,57 @@ class NewRollout:
 
 @dataclass(frozen=True)
 class Attempt:
-    """One attempt at a rollout, as handed to a worker by :meth:`Store.dequeue`."""
+    """One attempt at a rollout, as handed to a worker by :meth:`Store.dequeue`.
+
+    ``lease`` is the attempt's lease token: only the worker that dequeued it knows it."""
 
     rollout_id: str
     attempt_id: str
     task: Task
     sample_index: int
     metadata: dict[str, Any]
+    lease: str = ""
+
+
+class LeaseError(Exception):
+    """A call on an attempt that the caller does not hold: a wrong lease token, an unknown or ended attempt
+    (for spans), or a span that conflicts with one already held under its sequence id. The store service
+    answers it 409."""
+
+
+SPANS_LOST = "spans not recorded"
+"""How the error of an attempt that ended ``failed`` because some of its accepted spans could not be written starts."""
+Leases = Mapping[tuple[str, str], str]
+"""Lease tokens by (rollout id, attempt id): what a span write carries."""
+
+
+def new_lease() -> str:
+    """A fresh lease token (128 random bits)."""
+    return secrets.token_urlsafe(16)
+
+
+def check_lease(rollout_id: str, attempt_id: str, held: str, given: str | None) -> None:
+    """LeaseError unless ``given`` is ``held``, the lease token of the running attempt (compared in constant time)."""
+    if given is None or not hmac.compare_digest(held.encode(), given.encode()):
+        raise LeaseError(f"attempt {attempt_id!r} of rollout {rollout_id!r} is leased under another token"
+                         + (" (none was given: pass the Attempt.lease that dequeue returned)" if given is None else ""))
+
+
+def ended_error(span: Span, rollout_status: str) -> str:
+    """The LeaseError of a span written for an attempt that is not the running one."""
+    return (f"span {span.sequence_id} of rollout {span.rollout_id!r} is for attempt {span.attempt_id!r}, which is "
+            f"not running (the rollout is {rollout_status}): spans are recorded for the running attempt only")
+
+
+def conflict_error(span: Span) -> str:
+    """The LeaseError of a span whose key is held with other content."""
+    return (f"rollout {span.rollout_id!r} attempt {span.attempt_id!r} already holds another span under sequence id "
+            f"{span.sequence_id}: the first written stays (writing the same span again is no error)")
+
+
+def lost_spans_error(count: int, error: str) -> str:
+    """The error of an attempt that ended failed because ``count`` of its accepted spans could not be written."""
+    return f"{SPANS_LOST}: {count} span(s) of this attempt could not be written ({error})"
 
 
 @dataclass(frozen=True)
@@ -88,12 +148,15 @@ class Store(Protocol):
         Expired leases are requeued first, so an idle worker picks up what a lost one left.
         """
 
-    def heartbeat(self, rollout_id: str, attempt_id: str, lease_s: float) -> bool:
-        """Extend the attempt's lease to ``lease_s`` from now; False if it is no longer the running attempt."""
+    def heartbeat(self, rollout_id: str, attempt_id: str, lease_s: float, *, lease: str | None = None) -> bool:
+        """Extend the attempt's lease to ``lease_s`` from now; False if it is no longer the running attempt,
+        LeaseError if it runs under another lease token than ``lease``."""
 
     def finish(self, rollout_id: str, attempt_id: str, status: str,
-               final_reward: float | None = None, error: str | None = None) -> bool:
-        """End the running attempt with a terminal ``status``; False (and no change) if it is not running."""
+               final_reward: float | None = None, error: str | None = None, *, lease: str | None = None) -> bool:
+        """End the running attempt with a terminal ``status``; False (and no change) if it is not running,
+        LeaseError if it runs under another lease token than ``lease``. An attempt some of whose accepted
+        spans were lost ends ``failed`` (:func:`lost_spans_error`) whatever ``status`` says."""
 
     def cancel(self, rollout_ids: Sequence[str] | None, reason: str) -> int:
         """End the given (or, with None, every) unfinished rollouts as ``failed``; return how many."""
@@ -104,8 +167,10 @@ class Store(Protocol):
     def attempt_state(self, rollout_id: str, attempt_id: str) -> AttemptState | None:
         """Whether ``attempt_id`` is the running attempt of ``rollout_id``; None for an unknown rollout."""
 
-    def admit(self, rollout_id: str, attempt_id: str, n: int) -> tuple[AttemptState | None, list[int]]:
-        """:meth:`attempt_state`, and ``n`` sequence ids (as :meth:`next_sequence_id`) when the attempt is current.
+    def admit(self, rollout_id: str, attempt_id: str, n: int, *,
+              lease: str | None = None) -> tuple[AttemptState | None, list[int]]:
+        """:meth:`attempt_state`, and ``n`` sequence ids (as :meth:`next_sequence_id`) when the attempt is current
+        and ``lease`` is its lease token (LeaseError when it is current under another token).
 
         The gateway admits each model call so (one id per choice): the ids are
         ``[]`` for an attempt that is not the running one, and the state None
@@ -122,11 +187,17 @@ class Store(Protocol):
         A store may raise KeyError for a rollout it does not hold (never queued, or released).
         """
 
-    def add_spans(self, spans: Sequence[Span]) -> None:
-        """Record spans. A store may write them in batches; :meth:`flush` and every read see them.
+    def add_spans(self, spans: Sequence[Span], *, leases: Leases | None = None) -> None:
+        """Record spans of running attempts, each under its attempt's token in ``leases``. A store may write them
+        in batches; :meth:`flush` and every read see them.
 
-        A store may raise KeyError for spans of a rollout it does not hold (the
-        gateway drops the spans of a call that outlived its rollout).
+        Checked before anything is written, all or nothing: ValueError
+        (:class:`~agl_core.recordable.NotRecordable`) naming the field of a
+        span no reader could read back; LeaseError for a span of an ended
+        attempt, without its lease token, or conflicting with a span held
+        under its key; a store may raise KeyError for spans of a rollout it
+        does not hold (the gateway drops the spans of a call that outlived
+        its rollout).
         """
 
     def flush(self) -> None:

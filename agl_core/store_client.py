@@ -16,9 +16,13 @@ by URL: ``HttpStore("http://10.0.0.5:8765", token=...)``, or the recipe's
   exponential backoff, for up to ``connect_timeout_s`` after the first
   failure; then a ConnectionError names the URL, the method and the last
   error. Other errors are not retried: 404 for a rollout the store does not
-  hold is a KeyError (the protocol's, which the gateway relies on), 400 a
+  hold is a KeyError (the protocol's, which the gateway relies on), 409 a
+  :class:`~agl_core.store.LeaseError` (a lease token that is not the
+  attempt's, spans of an ended attempt, a conflicting span), 400 a
   ValueError with the service's message, 401 a PermissionError.
-- **Spans.** ``add_spans`` queues the spans (bounded: it blocks when
+- **Spans.** ``add_spans`` checks the spans (a span no store could write
+  back faithfully is a ValueError at once, for the caller's call alone),
+  queues them with their attempts' lease tokens (bounded: it blocks when
   ``max_pending`` wait) and returns; a background thread uploads them in
   batches and retries a batch until the service acknowledges it, which it
   does once they are in its SQLite file. An ``admit`` takes the spans
@@ -28,9 +32,11 @@ by URL: ``HttpStore("http://10.0.0.5:8765", token=...)``, or the recipe's
   added before it is acknowledged; ``finish``, ``get_rollouts`` and
   ``release`` flush first, so a rollout never ends before the spans its
   finisher added are durable and a process reads what it wrote. An upload
-  that fails for good (the service gone past ``connect_timeout_s``, or a 4xx)
-  is kept as the first error: queued spans are dropped and every later
-  ``add_spans``/``flush`` raises it.
+  that fails for good (the service gone past ``connect_timeout_s``, a 4xx,
+  a 5xx such as a full disk) loses those spans alone: a refused batch is
+  sent again span by span, and each attempt whose spans are lost is ended
+  ``failed`` on the service (the uploader holds its lease token), logged;
+  the next batch is uploaded as if nothing happened.
 - **Calls repeated by a retry.** A request may reach the service and its
   answer be lost (the service killed after it applied it), so a retry may
   repeat it. Sequence ids make span uploads idempotent (the service keeps
@@ -52,6 +58,7 @@ by URL: ``HttpStore("http://10.0.0.5:8765", token=...)``, or the recipe's
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import ssl
 import struct
@@ -68,10 +75,15 @@ from pydantic import BaseModel, ConfigDict
 from agl_core.data import Rollout, Span, Task
 from agl_core.http_rules import token_from
 from agl_core.span_batcher import SpanBatcher
-from agl_core.store import Attempt, AttemptState, NewRollout
+from agl_core.recordable import check_span
+from agl_core.store import FAILED, Attempt, AttemptState, LeaseError, Leases, NewRollout, lost_spans_error
+
+log = logging.getLogger("agl_core.store_client")
 
 TOKEN_ENV = "AGL_STORE_TOKEN"
 UNKNOWN_ROLLOUT = "unknown_rollout"
+LEASE = "lease"
+"""The error ``type`` of a 409 that is the protocol's LeaseError."""
 """The error ``type`` of a 404 that is the protocol's KeyError (any other 404 is a wrong URL)."""
 REQUEST_TIMEOUT_S = 60.0
 """How long one request may take beyond the long poll it asks for before it is given up and retried
@@ -122,7 +134,8 @@ class HttpStore:
         self._connections_lock = threading.Lock()
         self._closed = False
         self._batch_bytes = batch_bytes
-        self._uploader = SpanBatcher(self._upload, self._upload_failure, name="agl-store-span-uploader",
+        self._uploader: SpanBatcher[tuple[Span, str | None]] = SpanBatcher(
+            self._upload, self._spans_lost, name="agl-store-span-uploader", refusals=(LeaseError, ValueError),
                                      batch_size=batch_size, max_pending=max_pending)
         self._uploader.start()
 
@@ -185,6 +198,8 @@ class HttpStore:
             pass
         if status == 404 and kind == UNKNOWN_ROLLOUT:
             return KeyError(message)
+        if status == 409 and kind == LEASE:
+            return LeaseError(message)
         where = f"the store service at {self.url} ({method})"
         if status == 401:
             return PermissionError(f"{where} refused the request: {message}; set the token (HttpStore(token=...), "
@@ -218,19 +233,19 @@ class HttpStore:
                                            wait_s=left))["attempt"]
             if answer is not None:
                 return Attempt(answer["rollout_id"], answer["attempt_id"], Task.model_validate(answer["task"]),
-                               answer["sample_index"], answer["metadata"])
+                               answer["sample_index"], answer["metadata"], answer["lease"])
             if time.monotonic() >= deadline:
                 return None
 
-    def heartbeat(self, rollout_id: str, attempt_id: str, lease_s: float) -> bool:
-        body = {"rollout_id": rollout_id, "attempt_id": attempt_id, "lease_s": lease_s}
+    def heartbeat(self, rollout_id: str, attempt_id: str, lease_s: float, *, lease: str | None = None) -> bool:
+        body = {"rollout_id": rollout_id, "attempt_id": attempt_id, "lease_s": lease_s, "lease": lease}
         return json.loads(self._call("heartbeat", body))["ok"]
 
     def finish(self, rollout_id: str, attempt_id: str, status: str,
-               final_reward: float | None = None, error: str | None = None) -> bool:
+               final_reward: float | None = None, error: str | None = None, *, lease: str | None = None) -> bool:
         self.flush()  # the spans this process added are durable before the rollout is seen to end
         body = {"rollout_id": rollout_id, "attempt_id": attempt_id, "status": status,
-                "final_reward": final_reward, "error": error}
+                "final_reward": final_reward, "error": error, "lease": lease}
         code, raw, retried = self._exchange("finish", body)
         if code >= 300:
             raise self._error("finish", code, raw)
@@ -252,16 +267,15 @@ class HttpStore:
         state = json.loads(self._call("attempt_state", {"rollout_id": rollout_id, "attempt_id": attempt_id}))["state"]
         return None if state is None else AttemptState(state["rollout_status"], state["current"], state["metadata"])
 
-    def admit(self, rollout_id: str, attempt_id: str, n: int) -> tuple[AttemptState | None, list[int]]:
+    def admit(self, rollout_id: str, attempt_id: str, n: int, *,
+              lease: str | None = None) -> tuple[AttemptState | None, list[int]]:
         """One round trip, which carries the spans waiting for upload; the service then makes :meth:`finish` of
         the attempt wait for these ids' spans."""
-        head = json.dumps({"rollout_id": rollout_id, "attempt_id": attempt_id, "n": n}).encode()
+        head = json.dumps({"rollout_id": rollout_id, "attempt_id": attempt_id, "n": n, "lease": lease}).encode()
 
-        def send(spans: list[Span]) -> tuple[int, bytes, bool]:
-            answer = self._exchange("admit", head[:-1] + b', "spans": '
-                                    + _json_list([span.model_dump_json().encode() for span in spans]) + b"}"
-                                    if spans else head)
-            if spans and answer[0] >= 300:  # the spans go back to the uploader, whose own upload reports a refusal
+        def send(items: list[tuple[Span, str | None]]) -> tuple[int, bytes, bool]:
+            answer = self._exchange("admit", head[:-1] + b", " + _spans_fields(items) + b"}" if items else head)
+            if items and answer[0] >= 300:  # the spans go back to the uploader, whose own upload reports a refusal
                 raise _NotCarried
             return answer
 
@@ -282,29 +296,44 @@ class HttpStore:
         """The next id, counted by the service; KeyError for a rollout it does not hold."""
         return json.loads(self._call("next_sequence_id", {"rollout_id": rollout_id}))["sequence_id"]
 
-    def add_spans(self, spans: Sequence[Span]) -> None:
+    def add_spans(self, spans: Sequence[Span], *, leases: Leases | None = None) -> None:
+        """Check the spans (ValueError naming what no store could record), then queue them for upload."""
         if self._closed:  # nobody would upload them
             raise RuntimeError(f"the client of the store service at {self.url} is closed")
-        self._uploader.put(spans)
+        for span in spans:
+            check_span(span)
+        leases = leases or {}
+        self._uploader.put([(span, leases.get((span.rollout_id, span.attempt_id))) for span in spans])
 
     def flush(self) -> None:
         self._uploader.flush()
 
-    def _upload(self, spans: list[Span]) -> None:
-        """Send ``spans`` (the uploader's thread), in requests of about ``batch_bytes`` each, retried until
-        acknowledged: the service answers once they are in its file."""
-        parts, size = [], 0
-        for span in spans:
-            parts.append(span.model_dump_json().encode())
-            size += len(parts[-1])
-            if size >= self._batch_bytes:
-                self._call("add_spans", b'{"spans":' + _json_list(parts) + b"}")
-                parts, size = [], 0
-        if parts:
-            self._call("add_spans", b'{"spans":' + _json_list(parts) + b"}")
+    def _upload(self, items: list[tuple[Span, str | None]]) -> None:
+        """Send the spans of ``items`` (the uploader's thread), in requests of about ``batch_bytes`` each, retried
+        until acknowledged: the service answers once they are in its file. A refusal (409, 400) is raised: the
+        uploader then sends the spans one by one, so that only those refused are lost."""
+        part, size = [], 0
+        for index, item in enumerate(items):
+            part.append(item)
+            size += len(item[0].model_dump_json())
+            if size >= self._batch_bytes or index == len(items) - 1:
+                self._call("add_spans", b"{" + _spans_fields(part) + b"}")
+                part, size = [], 0
 
-    def _upload_failure(self, error: BaseException) -> str:
-        return f"spans cannot be uploaded to the store service at {self.url}: {error}"
+    def _spans_lost(self, items: list[tuple[Span, str | None]], error: BaseException) -> None:
+        """Spans the service did not take: each attempt they belong to ends failed (logged), if it still runs."""
+        text = f"the store service at {self.url} did not take them: {error}"
+        attempts: dict[tuple[str, str], list[str | None]] = {}
+        for span, lease in items:
+            attempts.setdefault((span.rollout_id, span.attempt_id), []).append(lease)
+        for (rollout_id, attempt_id), leases in attempts.items():
+            log.error("%d span(s) of rollout %s attempt %s lost: %s", len(leases), rollout_id, attempt_id, text)
+            body = {"rollout_id": rollout_id, "attempt_id": attempt_id, "status": FAILED, "final_reward": None,
+                    "error": lost_spans_error(len(leases), text), "lease": leases[0]}
+            try:  # not self.finish: it would wait for this thread's own flush
+                self._call("finish", body)
+            except Exception as exc:  # noqa: BLE001 - the attempt then ends as its runner says; logged
+                log.error("cannot end rollout %s attempt %s as failed: %s", rollout_id, attempt_id, exc)
 
     # ------------------------------------------------------------ reading
 
@@ -413,9 +442,13 @@ class _NotCarried(Exception):
     """An ``admit`` the service refused with spans riding on it: asked again without them."""
 
 
-def _json_list(items: list[bytes]) -> bytes:
-    """The JSON list of ``items``, each already JSON (spans as ``model_dump_json`` writes them)."""
-    return b"[" + b",".join(items) + b"]"
+def _spans_fields(items: list[tuple[Span, str | None]]) -> bytes:
+    """``"spans": [...], "leases": [...]``: the fields of a span upload (each span as ``model_dump_json`` writes
+    it, and the lease token of each attempt they belong to)."""
+    leases = {(span.rollout_id, span.attempt_id): lease for span, lease in items}
+    return (b'"spans":[' + b",".join(span.model_dump_json().encode() for span, _ in items) + b'],"leases":'
+            + json.dumps([{"rollout_id": r, "attempt_id": a, "lease": lease}
+                          for (r, a), lease in leases.items()]).encode())
 
 
 def _message(raw: bytes) -> str:

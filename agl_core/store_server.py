@@ -16,19 +16,21 @@ method                request                                       answer
                       max_attempts, metadata, ahead}]``
 ``dequeue``           ``worker_id, lease_s, wait_s``                ``attempt: {rollout_id,
                                                                     attempt_id, task, sample_index,
-                                                                    metadata} | null``
-``heartbeat``         ``rollout_id, attempt_id, lease_s``           ``ok``
+                                                                    metadata, lease} | null``
+``heartbeat``         ``rollout_id, attempt_id, lease_s, lease``    ``ok``
 ``finish``            ``rollout_id, attempt_id, status,             ``ok``
-                      final_reward, error``
+                      final_reward, error, lease``
 ``cancel``            ``rollout_ids | null, reason``                ``count``
 ``requeue_expired``   ``{}``                                        ``count``
 ``attempt_state``     ``rollout_id, attempt_id``                    ``state: {rollout_status,
                                                                     current, metadata} | null``
-``admit``             ``rollout_id, attempt_id, n, spans?``         ``state: {...} | null,
-                      (spans waiting for upload ride on it,         sequence_ids: [int]``
-                      written first, as by ``add_spans``)
+``admit``             ``rollout_id, attempt_id, n, lease,           ``state: {...} | null,
+                      spans?, leases?`` (spans waiting for upload   sequence_ids: [int]``
+                      ride on it, written first, as by
+                      ``add_spans``)
 ``next_sequence_id``  ``rollout_id``                                ``sequence_id``
-``add_spans``         ``spans: [Span]``                             ``count`` (once in the file)
+``add_spans``         ``spans: [Span], leases: [{rollout_id,        ``count`` (once in the file)
+                      attempt_id, lease}]``
 ``wait``              ``rollout_ids, timeout_s``                    ``done: [rollout_id]``
 ``get_rollouts``      ``rollout_ids``                               ``rollouts: [Rollout]``
 ``query``             ``statuses | null``                           ``rollouts: [Rollout]``
@@ -39,10 +41,15 @@ Tasks, spans and rollouts are their pydantic models as JSON. ``GET /healthz``
 answers ``{"ok": true}`` (with the file's path for a caller with the token).
 Errors use the format of :func:`agl_core.http_rules.error_response`: 400 for
 a body that is not the method's (naming the field) or that the store refuses
-(a rollout id already queued, a status that is not terminal), 401 without the
-token, 404 of type ``unknown_rollout`` for the protocol's KeyError (another
-404 names the unknown method), 413 for a body over the limit, 500 for a
-failure of the store.
+(a rollout id already queued, a status that is not terminal, a span no
+reader could read back: nested deeper than
+:data:`~agl_core.recordable.MAX_SPAN_DEPTH` or holding a lone surrogate,
+named by its path), 401 without the token, 404 of type ``unknown_rollout``
+for the protocol's KeyError (another 404 names the unknown method), 409 of
+type ``lease`` for the protocol's LeaseError (a lease token that is not the
+running attempt's; spans of an unknown or ended attempt, or conflicting with
+a span held under their sequence id), 413 for a body over the limit, 500
+for a failure of the store.
 
 **Choices.** The service keeps the rules of every server of the project
 (:mod:`agl_core.http_rules`). Store calls run on the event loop, where a
@@ -67,7 +74,8 @@ answers the agent, and uploads the call's spans in the background; so the
 runner's ``finish`` may arrive before the last call's spans. The service
 remembers the ids it admitted and not yet received: ``finish`` waits for
 them (at most :data:`SPAN_WAIT_S`; a gateway that died mid-call leaves a
-rollout without that call, logged), unless the attempt ``timed_out``. That
+rollout without that call, which then ends ``failed``, logged), unless the
+attempt ``timed_out``. That
 keeps one round trip per call on the agent's path, where a gateway that
 flushed each call before answering paid two. Only stores reached through
 this service need it: in one process the gateway writes to the reader's
@@ -92,8 +100,9 @@ from agl_core.data import Span, Task
 from agl_core.http_rules import (RequestError, check_authorization, error_body, error_response, health_response,
                                  parse_json_object, require_token_off_loopback, token_from)
 from agl_core.http_server import ServerThread, stop_on_signals
-from agl_core.store import TIMED_OUT, AttemptState, NewRollout, Store
-from agl_core.store_client import TOKEN_ENV, UNKNOWN_ROLLOUT, Rollouts
+from agl_core.recordable import MAX_SPAN_DEPTH
+from agl_core.store import FAILED, SUCCEEDED, TIMED_OUT, AttemptState, LeaseError, NewRollout, Store, lost_spans_error
+from agl_core.store_client import LEASE, TOKEN_ENV, UNKNOWN_ROLLOUT, Rollouts
 
 log = logging.getLogger("agl_core.store_server")
 
@@ -110,6 +119,8 @@ WAITING_METHODS = {"dequeue": "wait_s", "wait": "timeout_s"}
 SPAN_WAIT_S = 5.0
 """The longest ``finish`` waits for the spans of calls admitted for the attempt."""
 MAX_ADMIT = 1024
+SPAN_BODY_LEVELS = 2
+"""Levels a request body wraps its spans in (``{"spans": [span]}``): a body may nest that much deeper than a span."""
 
 
 # ---------------------------------------------------------------- request bodies
@@ -142,6 +153,7 @@ class _Heartbeat(_Body):
     rollout_id: str
     attempt_id: str
     lease_s: float = Field(gt=0, allow_inf_nan=False)
+    lease: str | None = None
 
 
 class _Finish(_Body):
@@ -150,6 +162,7 @@ class _Finish(_Body):
     status: str
     final_reward: float | None = None
     error: str | None = None
+    lease: str | None = None
 
 
 class _Cancel(_Body):
@@ -170,15 +183,24 @@ class _RolloutKey(_Body):
     rollout_id: str
 
 
+class _LeaseOf(_Body):
+    rollout_id: str
+    attempt_id: str
+    lease: str | None
+
+
 class _Spans(_Body):
     spans: list[Span]
+    leases: list[_LeaseOf] = Field(default_factory=list)
 
 
 class _Admit(_Body):
     rollout_id: str
     attempt_id: str
     n: int = Field(ge=1, le=MAX_ADMIT)
+    lease: str | None = None
     spans: list[Span] = Field(default_factory=list)
+    leases: list[_LeaseOf] = Field(default_factory=list)
 
 
 class _Wait(_Body):
@@ -209,7 +231,7 @@ def _dequeue(store: Store, body: _Dequeue) -> dict[str, Any]:
         return {"attempt": None}
     return {"attempt": {"rollout_id": attempt.rollout_id, "attempt_id": attempt.attempt_id,
                         "task": attempt.task.model_dump(mode="json"), "sample_index": attempt.sample_index,
-                        "metadata": attempt.metadata}}
+                        "metadata": attempt.metadata, "lease": attempt.lease}}
 
 
 def _state(state: AttemptState | None) -> dict[str, Any] | None:
@@ -218,12 +240,15 @@ def _state(state: AttemptState | None) -> dict[str, Any] | None:
 
 
 def _admit(store: Store, body: _Admit) -> dict[str, Any]:
-    state, sequence_ids = store.admit(body.rollout_id, body.attempt_id, body.n)
+    state, sequence_ids = store.admit(body.rollout_id, body.attempt_id, body.n, lease=body.lease)
     return {"state": _state(state), "sequence_ids": sequence_ids}
 
 
 def _add_spans(store: Store, body: _Spans) -> dict[str, Any]:
-    store.add_spans(body.spans)
+    try:
+        store.add_spans(body.spans, leases={(held.rollout_id, held.attempt_id): held.lease for held in body.leases})
+    except KeyError as exc:  # spans of an unknown rollout: refused as those of an unknown attempt
+        raise LeaseError(str(exc.args[0]) if exc.args else "spans of an unknown rollout") from None
     store.flush()  # acknowledged once in the file: the client may then forget them
     return {"count": len(body.spans)}
 
@@ -246,9 +271,10 @@ def _rollouts(rollouts: list) -> bytes:
 METHODS: dict[str, tuple[type[_Body], Callable[[Store, Any], dict[str, Any] | bytes]]] = {
     "enqueue": (_Enqueue, _enqueue),
     "dequeue": (_Dequeue, _dequeue),
-    "heartbeat": (_Heartbeat, lambda s, b: {"ok": s.heartbeat(b.rollout_id, b.attempt_id, b.lease_s)}),
+    "heartbeat": (_Heartbeat, lambda s, b: {"ok": s.heartbeat(b.rollout_id, b.attempt_id, b.lease_s,
+                                                              lease=b.lease)}),
     "finish": (_Finish, lambda s, b: {"ok": s.finish(b.rollout_id, b.attempt_id, b.status, b.final_reward,
-                                                     b.error)}),
+                                                     b.error, lease=b.lease)}),
     "cancel": (_Cancel, lambda s, b: {"count": s.cancel(b.rollout_ids, b.reason)}),
     "requeue_expired": (_Nothing, lambda s, b: {"count": s.requeue_expired()}),
     "attempt_state": (_AttemptKey, lambda s, b: {"state": _state(s.attempt_state(b.rollout_id, b.attempt_id))}),
@@ -284,6 +310,8 @@ def _refusal(method: str, exc: Exception) -> tuple[int, bytes]:
     """(status, JSON error) of a store call that failed with ``exc``."""
     if isinstance(exc, RequestError):
         return exc.status, error_body(exc.status, str(exc))
+    if isinstance(exc, LeaseError):  # the protocol's "the caller does not hold this attempt"
+        return 409, error_body(409, str(exc), kind=LEASE)
     if isinstance(exc, KeyError):  # the protocol's "a rollout the store does not hold"
         return 404, error_body(404, str(exc.args[0]) if exc.args else "unknown rollout", kind=UNKNOWN_ROLLOUT)
     if isinstance(exc, ValueError):  # the store refuses the request (a rollout id already queued, ...)
@@ -298,7 +326,7 @@ def _parse(method: str, model: type[_Body], raw: bytes) -> _Body:
         return model.model_validate_json(raw)  # parsed and checked in one pass (a third of the time)
     except ValidationError:
         pass  # the path below says what is wrong in the words of every server of the project
-    body = parse_json_object(raw)
+    body = parse_json_object(raw, max_depth=MAX_SPAN_DEPTH + SPAN_BODY_LEVELS)
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -452,7 +480,11 @@ class StoreService:
         missing = await self._awaited.wait(body.rollout_id, body.attempt_id, SPAN_WAIT_S)
         if missing:
             log.warning("rollout %s attempt %s ended without the spans of calls %s, admitted %g s ago or more "
-                        "(their gateway stopped?)", body.rollout_id, body.attempt_id, sorted(missing), SPAN_WAIT_S)
+                        "(their gateway stopped?): it ends failed", body.rollout_id, body.attempt_id,
+                        sorted(missing), SPAN_WAIT_S)
+            if body.status == SUCCEEDED:  # trained on without those calls, it would teach what did not happen
+                body = body.model_copy(update={"status": FAILED, "error": lost_spans_error(
+                    len(missing), f"they did not arrive within {SPAN_WAIT_S:g} s of the attempt's end")})
         answer = run(self.store, body)
         self._keep_books(method, body, answer)
         return answer

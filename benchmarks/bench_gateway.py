@@ -53,7 +53,8 @@ TOKENS_OF_REPLY = ("echo: " + MESSAGES[-1]["content"]).encode()  # the test endp
 
 
 def serve_gateway(upstream: str, n_rollouts: int) -> None:
-    """Child process: a gateway over a memory store with ``n_rollouts`` running attempts; prints its URL."""
+    """Child process: a gateway over a memory store with ``n_rollouts`` running attempts; prints its URL, then
+    the JSON list of the attempts' base URLs (they carry each attempt's lease token)."""
     from agl_core.builtin.memory_store import MemoryStore
     from agl_core.data import Task
     from agl_core.gateway import Gateway
@@ -61,12 +62,13 @@ def serve_gateway(upstream: str, n_rollouts: int) -> None:
 
     store = MemoryStore()
     store.enqueue([NewRollout(f"r{i}", Task(id="t", input={})) for i in range(n_rollouts)])
-    for _ in range(n_rollouts):
-        store.dequeue("bench", lease_s=3600)
+    attempts = [store.dequeue("bench", lease_s=3600) for _ in range(n_rollouts)]
     server = Gateway(store, sampling={"temperature": 1.0, "max_tokens": 64}, upstreams=[upstream]).serve()
     gc.collect()
     gc.freeze()  # as Trainer.fit does once the run is set up: full collections skip the long-lived objects
     print(server.url, flush=True)
+    print(json.dumps([Gateway.base_url(server.url, a.rollout_id, a.attempt_id, a.lease) for a in attempts]),
+          flush=True)
     sys.stdin.read()  # until the parent closes our stdin
     print(json.dumps({"spans": sum(len(e.spans) for e in store._entries.values())}), flush=True)
     server.stop()
@@ -166,7 +168,7 @@ async def phase(urls: list[str], body: bytes, calls: int) -> dict[str, float]:
             "calls_per_s": round(len(latencies) / elapsed, 1)}
 
 
-async def translation_phase(gateway_url: str, calls: int, stream: bool) -> dict[str, float]:
+async def translation_phase(base: str, calls: int, stream: bool) -> dict[str, float]:
     """What the Anthropic Messages and OpenAI Responses translations add to a call through the gateway.
 
     One agent calls in sequence, in rounds of one chat completion, one
@@ -176,7 +178,6 @@ async def translation_phase(gateway_url: str, calls: int, stream: bool) -> dict[
     machine falls on each API alike. Latency p50 per API and each
     translation's p50 minus the chat call's.
     """
-    base = f"{gateway_url}/rollout/r0/attempt/1/v1"
     system, user = MESSAGES[0]["content"], MESSAGES[1]["content"]
     bodies = {"chat": ("chat/completions", {"model": "policy", "messages": MESSAGES, "max_tokens": 64}),
               "messages": ("messages", {"model": "policy", "max_tokens": 64, "system": system,
@@ -226,12 +227,13 @@ def main() -> None:
     endpoint, endpoint_url = start(["-m", "agl_core.testing_endpoint",
                                     "--token-delay-s", str(args.token_delay_ms / 1000)])
     gateway, gateway_url = start([__file__, "--serve-gateway", endpoint_url + "/v1", str(args.agents)])
+    bases = json.loads(gateway.stdout.readline())  # one running attempt's base URL per agent
     try:
         agent_body = {"model": "policy", "messages": MESSAGES}
         # What the gateway sends upstream for that call: the direct path asks for the same work.
         direct_body = {**agent_body, "return_token_ids": True, "logprobs": True, "temperature": 1.0, "max_tokens": 64}
         direct = [f"{endpoint_url}/v1/chat/completions"] * args.agents
-        through = [f"{gateway_url}/rollout/r{i}/attempt/1/v1/chat/completions" for i in range(args.agents)]
+        through = [f"{base}/chat/completions" for base in bases]
         calls = args.calls - args.calls % args.agents
         encode = json.dumps
         results = {
@@ -249,8 +251,8 @@ def main() -> None:
                 "direct_stream_short": (direct[0], encode({**direct_body, "stream": True, "max_tokens": 2}).encode()),
                 "gateway_stream_short": (through[0], encode({**agent_body, "stream": True, "max_tokens": 2}).encode())},
                 calls // 4)),
-            "translations": asyncio.run(translation_phase(gateway_url, calls // 4, stream=False)),
-            "translations_streamed": asyncio.run(translation_phase(gateway_url, calls // 4, stream=True)),
+            "translations": asyncio.run(translation_phase(bases[0], calls // 4, stream=False)),
+            "translations_streamed": asyncio.run(translation_phase(bases[0], calls // 4, stream=True)),
         }
         gateway.stdin.close()
         spans = json.loads(gateway.stdout.readline())["spans"]

@@ -208,11 +208,12 @@ def one_rollout(roles: dict[str, Store], rollout_id: str, spans: list[Span]) -> 
     attempt = runner.dequeue("bench", lease_s=60)
     lap("dequeue")
     for span in spans:  # as the gateway does: each call admitted (state and sequence id), then its span added
-        _, [sequence_id] = gateway.admit(rollout_id, attempt.attempt_id, 1)
+        _, [sequence_id] = gateway.admit(rollout_id, attempt.attempt_id, 1, lease=attempt.lease)
         gateway.add_spans([span.model_copy(update={"rollout_id": rollout_id, "attempt_id": attempt.attempt_id,
-                                                   "sequence_id": sequence_id})])
+                                                   "sequence_id": sequence_id})],
+                          leases={(rollout_id, attempt.attempt_id): attempt.lease})
     lap("spans")
-    runner.finish(rollout_id, attempt.attempt_id, "succeeded", final_reward=1.0)
+    runner.finish(rollout_id, attempt.attempt_id, "succeeded", final_reward=1.0, lease=attempt.lease)
     lap("finish")
     [rollout] = trainer.get_rollouts([rollout_id])
     lap("read_back")

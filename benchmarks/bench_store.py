@@ -45,15 +45,15 @@ def make_spans(n: int) -> list[Span]:
 def measure(store, spans: list[Span]) -> dict[str, float]:
     rollout_ids = list(dict.fromkeys(span.rollout_id for span in spans))
     store.enqueue([NewRollout(rid, Task(id=rid, input={})) for rid in rollout_ids])
-    for _ in rollout_ids:
-        store.dequeue("bench", lease_s=3600)
+    leases = {(a.rollout_id, a.attempt_id): a.lease for a in (store.dequeue("bench", lease_s=3600)
+                                                              for _ in rollout_ids)}
     start = time.perf_counter()
     for span in spans:
-        store.add_spans([span])
+        store.add_spans([span], leases=leases)
     store.flush()
     write_s = time.perf_counter() - start
     for rid in rollout_ids:
-        store.finish(rid, "1", "succeeded", final_reward=1.0)
+        store.finish(rid, "1", "succeeded", final_reward=1.0, lease=leases[rid, "1"])
     start = time.perf_counter()
     rollouts = store.get_rollouts(rollout_ids)
     read_s = time.perf_counter() - start

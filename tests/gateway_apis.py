@@ -22,6 +22,13 @@ from agl_core.gateway import Gateway
 from agl_core.store import NewRollout
 
 ROLLOUTS = ("r0", "r1", "r2")
+LEASES: dict[str, str] = {}
+"""The lease token of each rollout's running attempt (the ``store`` fixture's)."""
+
+
+def base_url(url: str, rollout: str = "r0", attempt: str = "1") -> str:
+    """The base URL of ``rollout``'s running attempt on the gateway at ``url``."""
+    return Gateway.base_url(url, rollout, attempt, LEASES.get(rollout, "no-lease"))
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -29,8 +36,10 @@ REPO = Path(__file__).resolve().parents[1]
 def store():
     s = MemoryStore()
     s.enqueue([NewRollout(rollout, Task(id="t", input={})) for rollout in ROLLOUTS])
+    LEASES.clear()
     for _ in ROLLOUTS:
-        s.dequeue("w", lease_s=60)
+        attempt = s.dequeue("w", lease_s=60)
+        LEASES[attempt.rollout_id] = attempt.lease
     yield s
     s.close()
 

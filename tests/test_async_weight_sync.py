@@ -59,15 +59,17 @@ def test_weight_syncs_under_32_concurrent_agents_lose_no_call_and_record_the_ser
     store = MemoryStore()
     ids = [f"r{i}" for i in range(AGENTS)]
     store.enqueue([NewRollout(rollout_id, Task(id=rollout_id, input={})) for rollout_id in ids])
+    leases = {}
     for _ in ids:
-        store.dequeue("w", lease_s=600)
+        attempt = store.dequeue("w", lease_s=600)
+        leases[attempt.rollout_id] = attempt.lease
     gateway = Gateway(store, GatewayConfig(max_retries=0), upstreams=[versioned.url])
     gateway.weight_version = 0
     server = gateway.serve()
     stop = threading.Event()
 
     def agent(rollout_id: str) -> list[str]:
-        client = openai.OpenAI(base_url=Gateway.base_url(server.url, rollout_id, "1"), api_key="x",
+        client = openai.OpenAI(base_url=Gateway.base_url(server.url, rollout_id, "1", leases[rollout_id]), api_key="x",
                                max_retries=0, timeout=30)
         texts = []
         for call in range(CALLS_PER_AGENT):

@@ -25,13 +25,16 @@ from agl_core.store_server import RESERVE_SEQUENCE_IDS, StoreService
 from agl_core.testing_endpoint import ByteTokenizer, TestEndpoint, response_logprob
 
 TOKENIZER = ByteTokenizer()
+LEASES: dict[str, str] = {}
+"""The lease token of each rollout's running attempt, as the tests' runner (the fixtures) dequeued it."""
 
 
 @pytest.fixture
 def store():
     s = MemoryStore()
     s.enqueue([NewRollout("r1", Task(id="t1", input={}), metadata={"agent_name": "echoer"})])
-    s.dequeue("w", lease_s=60)
+    LEASES.clear()
+    LEASES["r1"] = s.dequeue("w", lease_s=60).lease
     yield s
     s.close()
 
@@ -52,7 +55,11 @@ def serve():
 
 
 def client(server, rollout="r1", attempt="1", api_key="unused"):
-    return openai.OpenAI(base_url=Gateway.base_url(server.url, rollout, attempt), api_key=api_key, max_retries=0)
+    return openai.OpenAI(base_url=base_url(server.url, rollout, attempt), api_key=api_key, max_retries=0)
+
+
+def base_url(url, rollout="r1", attempt="1"):
+    return Gateway.base_url(url, rollout, attempt, LEASES.get(rollout, "no-lease"))
 
 
 def spans(store, rollout="r1"):
@@ -151,7 +158,9 @@ def test_calls_of_a_rollout_are_ordered(endpoint, store, serve):
 ])
 def test_malformed_requests_get_4xx_and_nothing_is_written(endpoint, store, serve, path, body, status, message):
     _, server = serve(store, [endpoint.url])
-    response = httpx.post(f"{server.url}/rollout/{path}", content=body, timeout=10)
+    rollout, _, rest = path.partition("/attempt/")
+    attempt, _, route = rest.partition("/v1/")
+    response = httpx.post(f"{base_url(server.url, rollout, attempt)}/{route}", content=body, timeout=10)
     assert response.status_code == status
     assert message in response.json()["error"]["message"]
     assert spans(store) == [] and endpoint.calls == 0 and store.next_sequence_id("r1") == 0
@@ -159,7 +168,7 @@ def test_malformed_requests_get_4xx_and_nothing_is_written(endpoint, store, serv
 
 def test_an_oversized_body_is_refused_whether_declared_or_streamed(endpoint, store, serve):
     _, server = serve(store, [endpoint.url], max_body_bytes=2048)
-    url = f"{server.url}/rollout/r1/attempt/1/v1/chat/completions"
+    url = f"{base_url(server.url)}/chat/completions"
     big = b'{"messages": [{"role": "user", "content": "' + b"x" * 4096 + b'"}]}'
     declared = httpx.post(url, content=big, timeout=10)
     chunked = httpx.post(url, content=iter([big[:1000], big[1000:]]), timeout=10)  # no Content-Length
@@ -229,13 +238,13 @@ def test_off_loopback_the_gateway_requires_its_token(endpoint, store, serve, mon
         Gateway(store, GatewayConfig(host="0.0.0.0"))
     _, server = serve(store, [endpoint.url], host="0.0.0.0", token="s3cret")
     local = server.url.replace("0.0.0.0", "127.0.0.1")
-    url = f"{local}/rollout/r1/attempt/1/v1/chat/completions"
+    url = f"{base_url(local)}/chat/completions"
     body = {"messages": [{"role": "user", "content": "x"}]}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
         response = httpx.post(url, json=body, headers=headers, timeout=10)
         assert response.status_code == 401 and "bearer token" in response.json()["error"]["message"]
     assert spans(store) == [] and endpoint.calls == 0
-    llm = openai.OpenAI(base_url=Gateway.base_url(local, "r1", "1"), api_key="s3cret", max_retries=0)
+    llm = openai.OpenAI(base_url=base_url(local), api_key="s3cret", max_retries=0)
     assert llm.chat.completions.create(model="m", messages=body["messages"]).choices[0].message.content == "echo: x"
     assert len(spans(store)) == 1
 
@@ -278,6 +287,7 @@ def test_each_rollout_is_pinned_to_one_upstream(store, serve):
     try:
         store.enqueue([NewRollout(f"p{i}", Task(id="t", input={})) for i in range(8)])
         attempts = [store.dequeue("w", 60) for _ in range(8)]
+        LEASES.update({attempt.rollout_id: attempt.lease for attempt in attempts})
         _, gateway_server = serve(store, [s.url + "/v1" for s in servers])
         for attempt in attempts:
             llm = client(gateway_server, attempt.rollout_id, attempt.attempt_id)
@@ -311,7 +321,7 @@ def test_a_call_in_flight_when_its_rollout_is_consumed_is_answered_not_recorded(
     while endpoint.calls == 0:  # until the call reached the policy server
         assert time.monotonic() < deadline, "the call never reached the policy server"
         time.sleep(0.01)
-    store.finish("r1", "1", "timed_out")
+    store.finish("r1", "1", "timed_out", lease=LEASES["r1"])
     store.release(["r1"])
     call.join(10)
     assert answers[0].choices[0].message.content == "echo: slow"
@@ -354,7 +364,7 @@ def test_the_weight_version_the_policy_server_reports_is_recorded(endpoint, stor
 
 
 def test_a_store_that_cannot_write_fails_the_call_with_503_naming_why(endpoint, store, serve, monkeypatch):
-    def broken(spans):
+    def broken(spans, leases=None):
         raise RuntimeError("spans cannot be written to the SQLite store /x.sqlite: disk I/O error")
 
     monkeypatch.setattr(store, "add_spans", broken)
@@ -375,10 +385,12 @@ def test_over_a_store_service_a_finish_right_after_the_last_answer_sees_its_span
         trainer.enqueue([NewRollout(f"r{i}", Task(id="t", input={})) for i in range(20)])
         for i in range(20):
             attempt = runner.dequeue("w", lease_s=60)
+            LEASES[attempt.rollout_id] = attempt.lease
             for turn in range(3):
                 client(server, attempt.rollout_id, attempt.attempt_id).chat.completions.create(
                     model="policy", messages=[{"role": "user", "content": f"turn {turn}"}])
-            assert runner.finish(attempt.rollout_id, attempt.attempt_id, "succeeded", final_reward=1.0)
+            assert runner.finish(attempt.rollout_id, attempt.attempt_id, "succeeded", final_reward=1.0,
+                                 lease=attempt.lease)
             [rollout] = trainer.get_rollouts([attempt.rollout_id])
             assert [s.sequence_id for s in rollout.spans] == [0, 1, 2]
         for store in (trainer, runner, for_gateway):
@@ -396,9 +408,9 @@ class ThreadAwareStore(MemoryStore):
         super().__init__()
         self.admitted_on: list[str] = []
 
-    def admit(self, rollout_id, attempt_id, n):
+    def admit(self, rollout_id, attempt_id, n, *, lease=None):
         self.admitted_on.append(threading.current_thread().name)
-        return super().admit(rollout_id, attempt_id, n)
+        return super().admit(rollout_id, attempt_id, n, lease=lease)
 
 
 def test_a_store_that_admits_at_once_admits_on_the_event_loop_any_other_store_off_it(endpoint, store, serve,
@@ -413,7 +425,7 @@ def test_a_store_that_admits_at_once_admits_on_the_event_loop_any_other_store_of
 
     other = ThreadAwareStore()  # an admit that may wait: a worker thread runs it
     other.enqueue([NewRollout("r1", Task(id="t1", input={}))])
-    other.dequeue("w", lease_s=60)
+    LEASES["r1"] = other.dequeue("w", lease_s=60).lease
     _, server = serve(other, [endpoint.url])
     client(server).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
     assert len(other.admitted_on) == 1 and other.admitted_on[0] != "agl-gateway"

@@ -13,8 +13,8 @@ import anthropic
 import httpx
 import openai
 import pytest
-from gateway_apis import (CALL, assert_learns_as_the_default_recipe, chat_answer, events_of, serve,  # noqa: F401
-                          served_backend, spans, store, tokens, wait_for)
+from gateway_apis import (CALL, LEASES, assert_learns_as_the_default_recipe, base_url, chat_answer,  # noqa: F401
+                          events_of, serve, served_backend, spans, store, tokens, wait_for)
 
 from agl_core.gateway import Gateway
 from agl_core.gateway import anthropic as messages_api
@@ -24,12 +24,12 @@ from agl_core.http_rules import RequestError
 
 def messages_client(gateway: Gateway, rollout: str = "r0", api_key: str = "unused") -> anthropic.Anthropic:
     # The SDK appends /v1/messages to its base URL: the attempt's base URL without its /v1.
-    return anthropic.Anthropic(base_url=Gateway.base_url(gateway.url, rollout, "1").removesuffix("/v1"),
+    return anthropic.Anthropic(base_url=base_url(gateway.url, rollout).removesuffix("/v1"),
                                api_key=api_key, max_retries=0, timeout=30)
 
 
 def chat_client(gateway: Gateway, rollout: str = "r0") -> openai.OpenAI:
-    return openai.OpenAI(base_url=Gateway.base_url(gateway.url, rollout, "1"), api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=base_url(gateway.url, rollout), api_key="unused", max_retries=0)
 
 
 TOOL = {"name": "lookup", "description": "look a word up", "input_schema": {
@@ -223,7 +223,7 @@ def test_bad_requests_get_anthropics_error_shape_and_record_nothing(endpoint, st
         messages_client(gateway, rollout="nope").messages.create(model="policy", max_tokens=8,
                                                                  messages=[{"role": "user", "content": "hi"}])
     assert caught.value.body["error"]["type"] == "not_found_error"
-    url = Gateway.base_url(gateway.url, "r0", "1") + "/messages"
+    url = base_url(gateway.url, "r0") + "/messages"
     not_json = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
     assert not_json.status_code == 400 and not_json.json()["type"] == "error"
     assert "not valid JSON" in not_json.json()["error"]["message"]
@@ -254,7 +254,7 @@ def test_the_token_is_read_from_the_sdks_api_key(endpoint, store, serve):
 def test_a_disconnect_mid_stream_leaves_an_incomplete_span(endpoint, store, serve):
     gateway = serve(endpoint.url)
     endpoint.token_delay_s = 0.05
-    url = Gateway.base_url(gateway.url, "r0", "1") + "/messages"
+    url = base_url(gateway.url, "r0") + "/messages"
     body = {"model": "policy", "max_tokens": 40, "stream": True,
             "messages": [{"role": "user", "content": "a long answer please"}]}
     with httpx.stream("POST", url, json=body, timeout=30) as response:

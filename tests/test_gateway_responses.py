@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
-from gateway_apis import (CALL, assert_learns_as_the_default_recipe, chat_answer, events_of, serve,  # noqa: F401
-                          served_backend, spans, store, tokens, wait_for)
+from gateway_apis import (CALL, LEASES, assert_learns_as_the_default_recipe, base_url, chat_answer,  # noqa: F401
+                          events_of, serve, served_backend, spans, store, tokens, wait_for)
 
 from agl_core.gateway import Gateway, api_routes
 from agl_core.gateway import responses as responses_api
@@ -26,13 +26,13 @@ set_tracing_disabled(True)  # the SDK would export its traces to OpenAI
 
 
 def client(gateway: Gateway, rollout: str = "r0") -> openai.OpenAI:
-    return openai.OpenAI(base_url=Gateway.base_url(gateway.url, rollout, "1"), api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=base_url(gateway.url, rollout), api_key="unused", max_retries=0)
 
 
 def player(gateway: Gateway, rollout: str = "r0", tools=(), **settings) -> Agent:
     """An Agents SDK agent on the gateway, with ``tools`` and the model ``settings`` (ModelSettings fields)."""
     model = OpenAIResponsesModel(model="policy", openai_client=openai.AsyncOpenAI(
-        base_url=Gateway.base_url(gateway.url, rollout, "1"), api_key="unused", max_retries=0))
+        base_url=base_url(gateway.url, rollout), api_key="unused", max_retries=0))
     return Agent(name="player", model=model, model_settings=ModelSettings(**settings), tools=list(tools))
 
 
@@ -279,7 +279,7 @@ def test_bad_requests_get_openais_error_shape_and_record_nothing(endpoint, store
         openai_client.responses.create(model="policy", input="hi", temperature=-1)
     with pytest.raises(openai.NotFoundError, match="unknown rollout 'nope'"):
         client(gateway, rollout="nope").responses.create(model="policy", input="hi")
-    url = Gateway.base_url(gateway.url, "r0", "1") + "/responses"
+    url = base_url(gateway.url, "r0") + "/responses"
     not_json = httpx.post(url, content=b"[1, 2]", headers={"content-type": "application/json"})
     assert not_json.status_code == 400 and "must be a JSON object" in not_json.json()["error"]["message"]
     assert spans(store) == [] and len(endpoint.requests) == 0
@@ -300,7 +300,7 @@ def test_bad_requests_get_openais_error_shape_and_record_nothing(endpoint, store
 def test_a_disconnect_mid_stream_leaves_an_incomplete_span(endpoint, store, serve):
     gateway = serve(endpoint.url)
     endpoint.token_delay_s = 0.05
-    url = Gateway.base_url(gateway.url, "r0", "1") + "/responses"
+    url = base_url(gateway.url, "r0") + "/responses"
     with httpx.stream("POST", url, json={"model": "policy", "input": "a long answer please", "stream": True,
                                          "max_output_tokens": 40}, timeout=30) as response:
         lines = response.iter_lines()
@@ -320,7 +320,7 @@ def test_the_responses_of_an_ended_attempt_are_dropped(endpoint, store, serve, m
     client(gateway, "r0").responses.create(model="policy", input="hi")
     client(gateway, "r1").responses.create(model="policy", input="hi")
     assert sorted(gateway.translated.memory.attempts()) == [("r0", "1"), ("r1", "1")]
-    store.finish("r0", "1", "succeeded", 1.0)
+    store.finish("r0", "1", "succeeded", 1.0, lease=LEASES["r0"])
     wait_for(lambda: gateway.translated.memory.attempts() == [("r1", "1")])
 
 

@@ -18,6 +18,7 @@ from agl_core.store import NewRollout
 from agl_core.testing_endpoint import ByteTokenizer
 
 TOKEN = "s3cret"
+ADMIN = "the-trainers-own"
 
 
 @pytest.fixture
@@ -26,8 +27,8 @@ def gateway():
     store = MemoryStore()
     store.enqueue([NewRollout("r1", Task(id="t1", input={}), metadata={"mode": "train", "step": 1, "task_id": "t1",
                                                                        "sample_index": 0})])
-    store.dequeue("w", lease_s=60)
-    gw = Gateway(store, GatewayConfig(token=TOKEN))
+    gw = Gateway(store, GatewayConfig(token=TOKEN, admin_token=ADMIN))
+    gw.lease = store.dequeue("w", lease_s=60).lease
     server = gw.serve()
     gw.url, gw.memory = server.url, store
     yield gw
@@ -36,10 +37,11 @@ def gateway():
 
 def test_set_policy_points_the_gateway_at_the_policy_of_the_step(gateway, endpoint):
     now = set_policy(gateway.url, urls=[endpoint.url + "/"], weight_version=3,
-                     sampling={"temperature": 0.5, "top_p": None, "max_tokens": 4}, seed=11, token=TOKEN)
+                     sampling={"temperature": 0.5, "top_p": None, "max_tokens": 4}, seed=11, token=ADMIN)
     assert now == {"urls": [endpoint.url], "weight_version": 3, "sampling": {"temperature": 0.5, "max_tokens": 4},
                    "seed": 11}
-    client = openai.OpenAI(base_url=Gateway.base_url(gateway.url, "r1", "1"), api_key=TOKEN, max_retries=0)
+    client = openai.OpenAI(base_url=Gateway.base_url(gateway.url, "r1", "1", gateway.lease), api_key=TOKEN,
+                           max_retries=0)
     reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "apple"}])
     assert reply.choices[0].message.content == "echo"  # max_tokens=4 of the policy
     span, = gateway.memory._entries["r1"].spans
@@ -50,15 +52,29 @@ def test_set_policy_points_the_gateway_at_the_policy_of_the_step(gateway, endpoi
     check_gateway(gateway.url, TOKEN, connect_timeout_s=0)
 
 
-@pytest.mark.parametrize("token", [None, "wrong"])
-def test_the_admin_route_refuses_a_missing_or_wrong_token_and_changes_nothing(gateway, endpoint, token):
+@pytest.mark.parametrize("token", [None, "wrong", TOKEN])
+def test_the_admin_route_refuses_a_missing_or_wrong_token_and_the_agents_token_and_changes_nothing(gateway, endpoint,
+                                                                                                   token):
     gateway.upstreams.set([endpoint.url])
     gateway.weight_version = 1
     with pytest.raises(ValueError, match=rf"{gateway.url} answered PUT /v1/admin/policy with 401: missing or wrong"):
         set_policy(gateway.url, urls=["http://127.0.0.1:9/v1"], weight_version=2, token=token)
     assert gateway.upstreams.urls == (endpoint.url,) and gateway.weight_version == 1
-    with pytest.raises(ValueError, match=rf"the gateway at {gateway.url} refuses the token given"):
-        check_gateway(gateway.url, token, connect_timeout_s=0)
+    if token != TOKEN:
+        with pytest.raises(ValueError, match=rf"the gateway at {gateway.url} refuses the token given"):
+            check_gateway(gateway.url, token, connect_timeout_s=0)
+
+
+def test_a_gateway_with_an_agents_token_and_no_admin_token_refuses_every_admin_call(endpoint, monkeypatch):
+    monkeypatch.delenv("AGL_GATEWAY_ADMIN_TOKEN", raising=False)
+    server = Gateway(MemoryStore(), GatewayConfig(token=TOKEN)).serve()
+    try:
+        for token in (None, TOKEN, ADMIN):
+            with pytest.raises(ValueError, match="answered PUT /v1/admin/policy with 403: the admin routes need the "
+                                                 "gateway's admin token"):
+                set_policy(server.url, urls=[endpoint.url], weight_version=2, token=token)
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize("body, named", [
@@ -72,7 +88,7 @@ def test_the_admin_route_refuses_a_missing_or_wrong_token_and_changes_nothing(ga
     ({"upstreams": []}, "unknown field(s) 'upstreams'; allowed: 'urls', 'weight_version', 'sampling', 'seed'"),
 ])
 def test_a_bad_policy_is_a_400_naming_the_field_and_changes_nothing(gateway, body, named):
-    answer = httpx.put(f"{gateway.url}/v1/admin/policy", json=body, headers={"Authorization": f"Bearer {TOKEN}"})
+    answer = httpx.put(f"{gateway.url}/v1/admin/policy", json=body, headers={"Authorization": f"Bearer {ADMIN}"})
     assert answer.status_code == 400 and named in answer.json()["error"]["message"]
     assert (gateway.upstreams.urls, gateway.weight_version, gateway.sampling, gateway.seed) == ((), None, {}, None)
 

@@ -26,13 +26,18 @@ from agl_core.testing_endpoint import ByteTokenizer, TestEndpoint
 TOKENIZER = ByteTokenizer()
 ROLLOUTS = ("plain", "streamed")
 
+LEASES: dict[str, str] = {}
+"""The lease token of each rollout's running attempt (the ``store`` fixture's)."""
+
 
 @pytest.fixture
 def store():
     s = MemoryStore()
     s.enqueue([NewRollout(r, Task(id="t1", input={}), metadata={"agent_name": "echoer"}) for r in ROLLOUTS])
-    s.dequeue("w", lease_s=60)
-    s.dequeue("w", lease_s=60)
+    LEASES.clear()
+    for _ in range(2):
+        attempt = s.dequeue("w", lease_s=60)
+        LEASES[attempt.rollout_id] = attempt.lease
     yield s
     s.close()
 
@@ -47,7 +52,8 @@ def gateway(store, endpoint):
 
 
 def client(server, rollout):
-    return openai.OpenAI(base_url=Gateway.base_url(server.url, rollout, "1"), api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=Gateway.base_url(server.url, rollout, "1", LEASES.get(rollout, "no-lease")), api_key="unused",
+                         max_retries=0)
 
 
 def llm_spans(store, rollout):
@@ -195,7 +201,7 @@ class _Replay:
 def test_a_store_that_cannot_record_a_stream_ends_it_with_an_error_event(store, gateway, monkeypatch):
     _, server = gateway
 
-    def broken(spans):
+    def broken(spans, leases=None):
         raise OSError("disk full")
 
     monkeypatch.setattr(store, "add_spans", broken)
@@ -206,7 +212,7 @@ def test_a_store_that_cannot_record_a_stream_ends_it_with_an_error_event(store, 
 
 def test_raw_events_are_openai_server_sent_events(store, gateway):
     _, server = gateway
-    url = Gateway.base_url(server.url, "streamed", "1") + "/chat/completions"
+    url = Gateway.base_url(server.url, "streamed", "1", LEASES["streamed"]) + "/chat/completions"
     with httpx.stream("POST", url, json={"model": "m", "messages": [{"role": "user", "content": "x"}],
                                          "stream": True}) as response:
         assert response.headers["content-type"].startswith("text/event-stream")

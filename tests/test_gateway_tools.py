@@ -24,7 +24,7 @@ TOOLS = [{"type": "function", "function": {
 def store():
     s = MemoryStore()
     s.enqueue([NewRollout("r1", Task(id="t1", input={}))])
-    s.dequeue("w", lease_s=60)
+    s.lease = s.dequeue("w", lease_s=60).lease
     yield s
     s.close()
 
@@ -32,7 +32,8 @@ def store():
 @pytest.fixture
 def llm(store, endpoint):
     server = Gateway(store, GatewayConfig(), upstreams=[endpoint.url]).serve()
-    yield openai.OpenAI(base_url=Gateway.base_url(server.url, "r1", "1"), api_key="unused", max_retries=0)
+    yield openai.OpenAI(base_url=Gateway.base_url(server.url, "r1", "1", store.lease), api_key="unused",
+                        max_retries=0)
     server.stop()
 
 

@@ -58,8 +58,8 @@ def plane():
 
     class Plane:
         def runner(self, agent, **options):
-            def llm_for(rollout_id, attempt_id):
-                return LLM(Gateway.base_url(gateway_server.url, rollout_id, attempt_id), "policy", "key")
+            def llm_for(rollout_id, attempt_id, lease):
+                return LLM(Gateway.base_url(gateway_server.url, rollout_id, attempt_id, lease), "policy", "key")
 
             runners.append(LocalRunner(store, agent, llm_for, **{"n_workers": 4, **options}).start())
             return runners[-1]
@@ -169,7 +169,7 @@ class LosingStore(MemoryStore):
 def test_lost_attempts_are_requeued_up_to_max_attempts(lose, max_attempts, statuses, retried):
     store = LosingStore(lose)
 
-    def llm_for(rollout_id, attempt_id):
+    def llm_for(rollout_id, attempt_id, lease):
         return LLM("http://unused/v1", "policy", "key")
 
     runner = LocalRunner(store, lambda task, llm: 1.0, llm_for, n_workers=2, lease_s=1.0,
@@ -205,8 +205,11 @@ def test_a_step_whose_rollouts_nobody_runs_says_so_and_ends_when_a_runner_comes(
     """No runner leases from the store (remote runners not started): the wait warns each stretch without progress."""
     store = MemoryStore()
     store.enqueue([NewRollout("r", Task(id="t", input={}))])
-    runner = threading.Timer(0.5, lambda: store.finish("r", store.dequeue("late-runner", 30).attempt_id,
-                                                       "succeeded"))
+    def late_runner():
+        attempt = store.dequeue("late-runner", 30)
+        store.finish("r", attempt.attempt_id, "succeeded", lease=attempt.lease)
+
+    runner = threading.Timer(0.5, late_runner)
     runner.start()
     with caplog.at_level("WARNING", logger="agl_core.runner"):
         wait_all(store, ["r"], poll_s=0.05, stall_warning_s=0.2)

@@ -33,6 +33,12 @@ from agl_core.testing_endpoint import ByteTokenizer
 TASKS = [Task(id=f"t{i}", input={"word": w}) for i, w in enumerate(["apple", "pear", "fig"])]
 START_S = 60.0  # bound on a service's start-up (imports of torch on 2 busy cores)
 
+
+def with_pythonpath(path) -> str:
+    """``path`` ahead of this process's PYTHONPATH (a checkout's code first, as in this process)."""
+    return os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")]))
+
+
 AGENTS = '''
 import os
 import time
@@ -105,7 +111,7 @@ class Plane:
         """Start ``agl runner`` of the echo agent; returns once it leases."""
         line = self._start(agl("runner", "--store", self.store, "--gateway", self.gateway,
                                "--agent", "remote_agents:echo", *flags), name,
-                           {"PYTHONPATH": str(self.tmp_path), **(env or {})})
+                           {"PYTHONPATH": with_pythonpath(self.tmp_path), **(env or {})})
         assert line.startswith("agl runner: ")
         return self.procs[-1]
 

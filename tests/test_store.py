@@ -59,10 +59,11 @@ def test_lifecycle_queuing_running_succeeded_with_spans(store):
 
     ids = [store.next_sequence_id("a") for _ in range(3)]
     assert ids == [0, 1, 2]
-    store.add_spans([call_span("a", "1", 2), call_span("a", "1", 0)])
-    store.add_spans([Span(rollout_id="a", attempt_id="1", sequence_id=1, kind="reward", reward=0.5)])
-    assert store.finish("a", "1", "succeeded", final_reward=1.0)
-    assert not store.finish("a", "1", "failed")  # already ended: no change
+    leases = {("a", "1"): attempt.lease}
+    store.add_spans([call_span("a", "1", 2), call_span("a", "1", 0)], leases=leases)
+    store.add_spans([Span(rollout_id="a", attempt_id="1", sequence_id=1, kind="reward", reward=0.5)], leases=leases)
+    assert store.finish("a", "1", "succeeded", final_reward=1.0, lease=attempt.lease)
+    assert not store.finish("a", "1", "failed", lease=attempt.lease)  # already ended: no change
 
     (rollout,) = store.get_rollouts(["a"])
     assert rollout.status == "succeeded" and rollout.final_reward == 1.0 and rollout.task_id == "task-a"
@@ -76,14 +77,14 @@ def test_lifecycle_queuing_running_succeeded_with_spans(store):
 def test_admit_is_the_attempt_state_and_its_next_ids_in_one_call(store):
     store.enqueue([new("a", agent_name="guesser"), new("b")])
     attempt = store.dequeue("w1", lease_s=30)
-    state, ids = store.admit("a", attempt.attempt_id, 2)
+    state, ids = store.admit("a", attempt.attempt_id, 2, lease=attempt.lease)
     assert state.current and state.rollout_status == "running" and state.metadata == {"agent_name": "guesser"}
     assert ids == [0, 1] and store.next_sequence_id("a") == 2
     assert store.admit("a", "2", 3) == (store.attempt_state("a", "2"), [])  # not the running attempt: no ids
     state, ids = store.admit("b", "1", 1)
     assert state.rollout_status == "queuing" and not state.current and ids == []
     assert store.admit("nope", "1", 1) == (None, [])
-    assert store.admit("a", attempt.attempt_id, 1)[1] == [3]  # after the refused ones: nothing was used up
+    assert store.admit("a", attempt.attempt_id, 1, lease=attempt.lease)[1] == [3]  # after the refused ones: nothing was used up
 
 
 def test_duplicate_rollout_ids_are_refused(store):
@@ -104,12 +105,13 @@ def test_expired_lease_is_requeued_then_fails_after_max_attempts(store):
     store.enqueue([new("a", max_attempts=2), new("b")])
     first = store.dequeue("lost-worker", lease_s=0.05)
     assert first.rollout_id == "a"
-    store.add_spans([call_span("a", "1", store.next_sequence_id("a"))])
+    store.add_spans([call_span("a", "1", store.next_sequence_id("a"))], leases={("a", "1"): first.lease})
     time.sleep(0.1)
     # the lost attempt goes back to the front of the queue, ahead of "b"
     second = store.dequeue("w2", lease_s=0.05)
     assert (second.rollout_id, second.attempt_id) == ("a", "2")
-    assert not store.heartbeat("a", "1", 30) and not store.finish("a", "1", "succeeded")
+    assert not store.heartbeat("a", "1", 30, lease=first.lease)
+    assert not store.finish("a", "1", "succeeded", lease=first.lease)
     time.sleep(0.1)
     assert store.requeue_expired() == 1
     (rollout,) = store.get_rollouts(["a"])
@@ -122,10 +124,10 @@ def test_heartbeat_keeps_an_attempt_alive(store):
     store.enqueue([new("a", max_attempts=1)])
     attempt = store.dequeue("w", lease_s=0.5)
     time.sleep(0.05)
-    assert store.heartbeat("a", attempt.attempt_id, 30)
+    assert store.heartbeat("a", attempt.attempt_id, 30, lease=attempt.lease)
     time.sleep(0.6)  # past the first lease: only the heartbeat keeps it
     assert store.requeue_expired() == 0 and store.attempt_state("a", attempt.attempt_id).current
-    assert store.finish("a", attempt.attempt_id, "timed_out", error="too slow")
+    assert store.finish("a", attempt.attempt_id, "timed_out", error="too slow", lease=attempt.lease)
     assert store.get_rollouts(["a"])[0].status == "timed_out"
 
 
@@ -133,8 +135,8 @@ def test_wait_returns_when_all_finish_or_on_timeout(store):
     store.enqueue([new("a"), new("b")])
     a, b = store.dequeue("w", 30), store.dequeue("w", 30)
     assert store.wait(["a", "b"], timeout_s=0.05) == set()
-    store.finish("a", a.attempt_id, "succeeded")
-    threading.Timer(0.05, lambda: store.finish("b", b.attempt_id, "failed", error="boom")).start()
+    store.finish("a", a.attempt_id, "succeeded", lease=a.lease)
+    threading.Timer(0.05, lambda: store.finish("b", b.attempt_id, "failed", error="boom", lease=b.lease)).start()
     assert store.wait(["a", "b"], timeout_s=5) == {"a", "b"}
 
 
@@ -148,8 +150,8 @@ def test_wait_sees_an_expired_lease_fail(store):
 def test_cancel_ends_unfinished_rollouts(store):
     store.enqueue([new("queued"), new("running"), new("done")])
     store.dequeue("w", 30)
-    store.dequeue("w", 30)
-    store.finish("running", "1", "succeeded")
+    running = store.dequeue("w", 30)
+    store.finish("running", "1", "succeeded", lease=running.lease)
     assert store.cancel(None, "abandoned") == 2
     assert {r.rollout_id: r.status for r in store.query()} == {"queued": "failed", "running": "succeeded",
                                                               "done": "failed"}
@@ -159,8 +161,9 @@ def test_cancel_ends_unfinished_rollouts(store):
 def test_release_forgets_consumed_rollouts(store):
     store.enqueue([new("a")])
     attempt = store.dequeue("w", 30)
-    store.add_spans([call_span("a", attempt.attempt_id, store.next_sequence_id("a"))])
-    store.finish("a", attempt.attempt_id, "succeeded")
+    store.add_spans([call_span("a", attempt.attempt_id, store.next_sequence_id("a"))],
+                    leases={("a", attempt.attempt_id): attempt.lease})
+    store.finish("a", attempt.attempt_id, "succeeded", lease=attempt.lease)
     store.release(["a"])
     assert store.query() == []
     if isinstance(store, MemoryStore):
@@ -175,8 +178,9 @@ def test_many_threads_dequeue_each_rollout_once(store):
 
     def worker(name):
         while (attempt := store.dequeue(name, 30)) is not None:
-            store.add_spans([call_span(attempt.rollout_id, "1", store.next_sequence_id(attempt.rollout_id))])
-            store.finish(attempt.rollout_id, attempt.attempt_id, "succeeded", final_reward=1.0)
+            store.add_spans([call_span(attempt.rollout_id, "1", store.next_sequence_id(attempt.rollout_id))],
+                            leases={(attempt.rollout_id, "1"): attempt.lease})
+            store.finish(attempt.rollout_id, attempt.attempt_id, "succeeded", final_reward=1.0, lease=attempt.lease)
             with lock:
                 taken.append(attempt.rollout_id)
 

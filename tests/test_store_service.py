@@ -27,7 +27,7 @@ from agl_core.config import ConfigError
 from agl_core.context import TrainContext
 from agl_core.data import Span, Task
 from agl_core.http_server import ServerThread
-from agl_core.store import NewRollout
+from agl_core.store import SPANS_LOST, LeaseError, NewRollout
 from agl_core.store_client import HttpStore
 from agl_core.store_server import RESERVE_SEQUENCE_IDS, StoreService
 
@@ -112,8 +112,8 @@ def test_agl_serve_store_serves_a_file_until_sigterm_then_closes_it_with_every_s
         store.enqueue([new("a"), new("b")])
         attempt = store.dequeue("w", lease_s=30, wait_s=5)
         ids = [store.next_sequence_id("a") for _ in range(600)]  # more than a batch and a reserved block
-        store.add_spans([span("a", attempt.attempt_id, i) for i in ids])
-        assert store.finish("a", attempt.attempt_id, "succeeded", final_reward=1.0)
+        store.add_spans([span("a", attempt.attempt_id, i) for i in ids], leases={("a", "1"): attempt.lease})
+        assert store.finish("a", attempt.attempt_id, "succeeded", final_reward=1.0, lease=attempt.lease)
         assert store.wait(["a"], timeout_s=5) == {"a"}
         store.close()
         proc.send_signal(signal.SIGTERM)
@@ -164,8 +164,7 @@ def test_a_wrong_or_missing_token_is_refused_with_401_and_nothing_is_written(ser
         client(url, token="wrong").enqueue([new("a")])
     spans_writer = client(url, token="wrong")
     spans_writer.add_spans([span("a", "1", 0)])
-    with pytest.raises(RuntimeError, match=f"spans cannot be uploaded to the store service at {url}: .*refused"):
-        spans_writer.flush()
+    spans_writer.flush()  # refused: lost, and logged
     assert backing.query() == [] and backing.get_rollouts(["a"]) == []
 
     right = client(url, token=TOKEN)
@@ -237,6 +236,13 @@ def test_the_client_raises_the_protocols_errors(serve, client):
         store.enqueue([new("a")])
     with pytest.raises(ValueError, match="finish needs a terminal status"):
         store.finish("a", "1", "running")
+    store.enqueue([new("b")])
+    attempt = store.dequeue("w", 30)
+    rid = attempt.rollout_id
+    with pytest.raises(LeaseError, match=f"attempt '1' of rollout '{rid}' is leased under another token"):
+        store.finish(rid, "1", "succeeded", lease="not-the-token")
+    with pytest.raises(LeaseError, match="is leased under another token"):
+        store.admit(rid, "1", 1, lease=attempt.lease[:-1])
 
 
 def test_a_closed_client_says_so(serve):
@@ -287,15 +293,16 @@ def test_calls_whose_answer_was_lost_are_retried_without_doubling_anything(serve
     attempt = store.dequeue("w", 30)
     ids = [store.next_sequence_id("a") for _ in range(3)]
     assert ids == [1, 2, 3]  # the id of the lost answer is skipped, never reused
-    store.add_spans([span("a", "1", i) for i in ids])  # the first batch is written, its answer lost, resent
-    assert store.finish("a", attempt.attempt_id, "succeeded", 1.0)  # applied, answer lost: still True
+    # the first batch is written, its answer lost, resent
+    store.add_spans([span("a", "1", i) for i in ids], leases={("a", "1"): attempt.lease})
+    assert store.finish("a", attempt.attempt_id, "succeeded", 1.0, lease=attempt.lease)  # answer lost: still True
     assert lost == {"enqueue": 1, "finish": 1, "add_spans": 1, "next_sequence_id": 1}
     (rollout,) = store.get_rollouts(["a"])
     assert rollout.status == "succeeded" and [s.sequence_id for s in rollout.spans] == ids
     with contextlib.closing(sqlite3.connect(backing.path)) as conn:
         assert conn.execute("SELECT COUNT(*) FROM spans").fetchone()[0] == 3
     # a finish that did not end the attempt says so, retried or not
-    assert not store.finish("a", attempt.attempt_id, "failed")
+    assert not store.finish("a", attempt.attempt_id, "failed", lease=attempt.lease)
 
 
 def test_an_enqueue_retried_into_different_rollouts_still_fails(serve, client):
@@ -312,7 +319,7 @@ def test_long_polls_are_cut_by_the_service_and_resumed_by_the_client(serve, clie
     store = client(url)
     backing.enqueue([new("a")])
     attempt = store.dequeue("w", 30)
-    threading.Timer(0.3, lambda: backing.finish("a", attempt.attempt_id, "succeeded")).start()
+    threading.Timer(0.3, lambda: backing.finish("a", attempt.attempt_id, "succeeded", lease=attempt.lease)).start()
     assert store.wait(["a"], timeout_s=30) == {"a"}  # many cut polls, one answer
     assert store.dequeue("w", 30, wait_s=0.2) is None
 
@@ -323,7 +330,8 @@ def test_spans_are_uploaded_in_batches_each_once(serve, client):
     store.enqueue([new("a")])
     attempt = store.dequeue("w", 30)
     for _ in range(10):
-        store.add_spans([span("a", attempt.attempt_id, store.next_sequence_id("a")) for _ in range(10)])
+        store.add_spans([span("a", attempt.attempt_id, store.next_sequence_id("a")) for _ in range(10)],
+                        leases={("a", "1"): attempt.lease})
     store.flush()
     assert [s.sequence_id for s in backing.get_rollouts(["a"])[0].spans] == list(range(100))
 
@@ -351,14 +359,15 @@ def test_spans_waiting_for_upload_ride_on_the_next_admit_and_go_back_when_it_is_
     store = client(url)
     store.enqueue([new("a")])
     attempt = store.dequeue("w", 30)
-    _, ids = store.admit("a", attempt.attempt_id, 4)
-    store.add_spans([span("a", attempt.attempt_id, ids[0])])
+    leases = {("a", "1"): attempt.lease}
+    _, ids = store.admit("a", attempt.attempt_id, 4, lease=attempt.lease)
+    store.add_spans([span("a", attempt.attempt_id, ids[0])], leases=leases)
     assert busy.wait(5)  # the uploader is held with span 0
-    store.add_spans([span("a", attempt.attempt_id, i) for i in ids[1:3]])
-    store.admit("a", attempt.attempt_id, 1)
-    store.add_spans([span("a", attempt.attempt_id, ids[3])])
+    store.add_spans([span("a", attempt.attempt_id, i) for i in ids[1:3]], leases=leases)
+    store.admit("a", attempt.attempt_id, 1, lease=attempt.lease)
+    store.add_spans([span("a", attempt.attempt_id, ids[3])], leases=leases)
     with pytest.raises(ValueError, match="admit: n: Input should be greater than or equal to 1"):
-        store.admit("a", attempt.attempt_id, 0)
+        store.admit("a", attempt.attempt_id, 0, lease=attempt.lease)
     assert [r for r in requests if r[0] == "admit"] == [("admit", 0), ("admit", 2), ("admit", 1), ("admit", 0)]
     store.flush()  # span 3 went back to the uploader
     assert [s.sequence_id for s in backing.get_rollouts(["a"])[0].spans] == ids
@@ -401,32 +410,35 @@ def test_finish_waits_for_the_spans_of_the_calls_the_service_admitted(serve, cli
     trainer, runner, gateway = client(url), client(url), client(url)
     trainer.enqueue([new("a"), new("b")])
     attempt = runner.dequeue("w", lease_s=30)
-    _, [first, second] = gateway.admit("a", attempt.attempt_id, 2)
-    gateway.add_spans([span("a", attempt.attempt_id, first)])
-    late = threading.Timer(0.3, lambda: gateway.add_spans([span("a", attempt.attempt_id, second)]))
+    leases = {("a", "1"): attempt.lease}
+    _, [first, second] = gateway.admit("a", attempt.attempt_id, 2, lease=attempt.lease)
+    gateway.add_spans([span("a", attempt.attempt_id, first)], leases=leases)
+    late = threading.Timer(0.3, lambda: gateway.add_spans([span("a", attempt.attempt_id, second)], leases=leases))
     late.start()
-    assert runner.finish("a", attempt.attempt_id, "succeeded", final_reward=1.0)
+    assert runner.finish("a", attempt.attempt_id, "succeeded", final_reward=1.0, lease=attempt.lease)
     assert [s.sequence_id for s in trainer.get_rollouts(["a"])[0].spans] == [first, second]
     late.join()
 
     other = runner.dequeue("w", lease_s=30)
-    gateway.admit("b", other.attempt_id, 1)  # a call whose span never comes: its gateway stopped
+    gateway.admit("b", other.attempt_id, 1, lease=other.lease)  # a call whose span never comes: its gateway stopped
     monkeypatch.setattr("agl_core.store_server.SPAN_WAIT_S", 0.2)
-    assert runner.finish("b", other.attempt_id, "timed_out")  # not waited for
+    assert runner.finish("b", other.attempt_id, "timed_out", lease=other.lease)  # not waited for
     assert trainer.get_rollouts(["b"])[0].spans == []
 
 
-def test_a_finish_gives_up_on_a_span_that_never_comes(serve, client, monkeypatch, caplog):
+def test_a_finish_gives_up_on_a_span_that_never_comes_and_the_attempt_ends_failed(serve, client, monkeypatch,
+                                                                                   caplog):
     url, _ = serve()
     store = client(url)
     store.enqueue([new("a")])
     attempt = store.dequeue("w", lease_s=30)
-    store.admit("a", attempt.attempt_id, 1)
+    store.admit("a", attempt.attempt_id, 1, lease=attempt.lease)
     monkeypatch.setattr("agl_core.store_server.SPAN_WAIT_S", 0.2)
     with caplog.at_level("WARNING", logger="agl_core.store_server"):
-        assert store.finish("a", attempt.attempt_id, "succeeded", final_reward=1.0)
+        assert store.finish("a", attempt.attempt_id, "succeeded", final_reward=1.0, lease=attempt.lease)
     assert "ended without the spans of calls [0]" in caplog.text
-    assert store.get_rollouts(["a"])[0].status == "succeeded"
+    (rollout,) = store.get_rollouts(["a"])
+    assert rollout.status == "failed" and rollout.error.startswith(SPANS_LOST), rollout
 
 
 def test_long_polls_answer_at_once_what_is_there_and_wait_for_the_rest(serve, client):
@@ -435,6 +447,7 @@ def test_long_polls_answer_at_once_what_is_there_and_wait_for_the_rest(serve, cl
     store.enqueue([new("a")])
     assert store.dequeue("w", lease_s=30, wait_s=5).rollout_id == "a"  # there: answered on the event loop
     threading.Timer(0.3, lambda: producer.enqueue([new("b")])).start()
-    assert store.dequeue("w", lease_s=30, wait_s=5).rollout_id == "b"  # not yet there: waited for on the pool
-    threading.Timer(0.3, lambda: producer.finish("b", "1", "succeeded")).start()
+    leased = store.dequeue("w", lease_s=30, wait_s=5)
+    assert leased.rollout_id == "b"  # not yet there: waited for on the pool
+    threading.Timer(0.3, lambda: producer.finish("b", "1", "succeeded", lease=leased.lease)).start()
     assert store.wait(["b"], timeout_s=5) == {"b"}

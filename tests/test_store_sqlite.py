@@ -4,6 +4,7 @@ Crash safety (kill -9 of a writer) is in tests/faults/test_fault_store.py.
 """
 
 import contextlib
+import re
 import selectors
 import shutil
 import sqlite3
@@ -53,14 +54,14 @@ def test_file_is_wal_and_survives_reopening(tmp_path):
     store.enqueue([NewRollout("a", Task(id="t", input={}))])
     attempt = store.dequeue("w", 30)
     store.add_spans([Span(rollout_id="a", attempt_id="1", sequence_id=store.next_sequence_id("a"),
-                          kind="reward", reward=1.0)])
+                          kind="reward", reward=1.0)], leases={("a", "1"): attempt.lease})
     store.close()
     with contextlib.closing(sqlite3.connect(path)) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
     reopened = SqliteStore(path)
     assert reopened.next_sequence_id("a") == 1  # counted on from what the file holds
-    assert reopened.finish("a", attempt.attempt_id, "succeeded", 1.0)
+    assert reopened.finish("a", attempt.attempt_id, "succeeded", 1.0, lease=attempt.lease)
     (rollout,) = reopened.get_rollouts(["a"])
     assert rollout.final_reward == 1.0 and [s.reward for s in rollout.spans] == [1.0]
     reopened.close()
@@ -69,7 +70,9 @@ def test_file_is_wal_and_survives_reopening(tmp_path):
 def test_released_rollouts_are_deleted_unless_kept(tmp_path):
     store = SqliteStore(tmp_path / "r.sqlite", keep_consumed=False)
     store.enqueue([NewRollout("a", Task(id="t", input={}))])
-    store.add_spans([Span(rollout_id="a", sequence_id=0, kind="annotation")])
+    attempt = store.dequeue("w", 30)
+    store.add_spans([Span(rollout_id="a", attempt_id="1", sequence_id=0, kind="annotation")],
+                    leases={("a", "1"): attempt.lease})
     store.release(["a"])
     assert store.get_rollouts(["a"]) == []
     with contextlib.closing(sqlite3.connect(tmp_path / "r.sqlite")) as conn:
@@ -87,7 +90,7 @@ def test_two_processes_dequeue_each_rollout_exactly_once(tmp_path):
         print("ready", flush=True)
         input()
         while (attempt := store.dequeue("w", 30)) is not None:
-            store.finish(attempt.rollout_id, attempt.attempt_id, "succeeded", 1.0)
+            store.finish(attempt.rollout_id, attempt.attempt_id, "succeeded", 1.0, lease=attempt.lease)
             print(attempt.rollout_id, flush=True)
         print("done", flush=True)
         store.close()
@@ -126,9 +129,9 @@ def test_the_writers_of_one_process_take_turns_without_sqlites_busy_wait(tmp_pat
                 attempt = store.dequeue(f"w{worker}", 30)
                 store.add_spans([Span(rollout_id=attempt.rollout_id, attempt_id=attempt.attempt_id,
                                       sequence_id=store.next_sequence_id(attempt.rollout_id), kind="reward",
-                                      reward=1.0)])
-                store.heartbeat(attempt.rollout_id, attempt.attempt_id, 30)
-                store.finish(attempt.rollout_id, attempt.attempt_id, "succeeded", 1.0)
+                                      reward=1.0)], leases={(attempt.rollout_id, attempt.attempt_id): attempt.lease})
+                store.heartbeat(attempt.rollout_id, attempt.attempt_id, 30, lease=attempt.lease)
+                store.finish(attempt.rollout_id, attempt.attempt_id, "succeeded", 1.0, lease=attempt.lease)
         except Exception as exc:  # noqa: BLE001 - reported below, with the thread's
             errors.append(f"worker {worker}: {type(exc).__name__}: {exc}")
 
@@ -170,19 +173,21 @@ def test_a_span_written_again_is_kept_once(tmp_path):
     store.enqueue([NewRollout("a", Task(id="t", input={}))])
     attempt = store.dequeue("w", 30)
     first = Span(rollout_id="a", attempt_id=attempt.attempt_id, sequence_id=0, kind="reward", reward=1.0)
-    store.add_spans([first])
+    leases = {("a", attempt.attempt_id): attempt.lease}
+    store.add_spans([first], leases=leases)
     store.flush()
-    store.add_spans([first, first.model_copy(update={"sequence_id": 1})])  # an upload retried with one more
+    store.add_spans([first, first.model_copy(update={"sequence_id": 1})], leases=leases)  # retried with one more
     (rollout,) = store.get_rollouts(["a"])
     assert [(s.sequence_id, s.reward) for s in rollout.spans] == [(0, 1.0), (1, 1.0)]
     store.close()
 
 
-def test_a_file_of_the_old_layout_opens_with_its_duplicate_spans_dropped(tmp_path):
+def test_a_file_of_the_old_layout_opens_with_its_duplicate_spans_dropped_and_a_lease_column(tmp_path):
     path = tmp_path / "old.sqlite"
-    with contextlib.closing(sqlite3.connect(path)) as conn:  # the layout before spans were unique
-        conn.executescript(SCHEMA.split("CREATE UNIQUE INDEX")[0] + "CREATE INDEX spans_by_rollout ON spans "
-                           "(rollout_id, attempt_id, sequence_id);")
+    old = re.sub(r",\n\s*lease\s+TEXT[^\n]*", "", SCHEMA.split("CREATE UNIQUE INDEX")[0])
+    assert "lease " not in old and "lease token" not in old
+    with contextlib.closing(sqlite3.connect(path)) as conn:  # the layout before spans were unique and leases
+        conn.executescript(old + "CREATE INDEX spans_by_rollout ON spans (rollout_id, attempt_id, sequence_id);")
         conn.execute("INSERT INTO rollouts (rollout_id, task, sample_index, metadata, status, priority, "
                      "max_attempts) VALUES ('a', ?, 0, '{}', 'queuing', 1, 1)",
                      (Task(id="t", input={}).model_dump_json(),))
@@ -194,9 +199,12 @@ def test_a_file_of_the_old_layout_opens_with_its_duplicate_spans_dropped(tmp_pat
         assert conn.execute("SELECT COUNT(*) FROM spans").fetchone()[0] == 1
         indexes = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
     assert "spans_once" in indexes and "spans_by_rollout" not in indexes
-    store.add_spans([span])
-    store.flush()
     assert store.next_sequence_id("a") == 1
+    attempt = store.dequeue("w", 30)  # the migrated file takes leases
+    store.add_spans([Span(rollout_id="a", attempt_id="1", sequence_id=1, kind="annotation")],
+                    leases={("a", "1"): attempt.lease})
+    assert store.finish("a", "1", "succeeded", lease=attempt.lease)
+    assert [s.sequence_id for s in store.get_rollouts(["a"])[0].spans] == [1]
     store.close()
 
 
@@ -255,8 +263,9 @@ def a_store_file(path: Path) -> Path:
     """A real store file with a few hundred KB of spans, closed (checkpointed: no WAL beside it)."""
     store = SqliteStore(path)
     store.enqueue([NewRollout("r", Task(id="t", input={}))])
+    attempt = store.dequeue("w", 30)
     store.add_spans([Span(rollout_id="r", attempt_id="1", sequence_id=i, kind="llm_call",
-                          prompt_token_ids=list(range(100))) for i in range(500)])
+                          prompt_token_ids=list(range(100))) for i in range(500)], leases={("r", "1"): attempt.lease})
     store.close()
     return path
 
@@ -371,22 +380,38 @@ def test_a_directory_or_file_this_process_may_not_write_is_refused_naming_the_pa
         f"be created (Permission denied: {directory}/run)"]
 
 
-def test_a_failing_span_writer_reports_its_first_error_naming_the_file_and_prints_nothing(tmp_path, capfd):
+def fill(store: SqliteStore) -> list[str]:
+    """Queue rollouts with big tasks until one does not fit in the store's ``max_bytes``; their ids."""
+    ids = []
+    while True:
+        try:
+            store.enqueue([NewRollout(f"fill{len(ids)}", Task(id="fill", input={"blob": "x" * 8000}))])
+        except sqlite3.OperationalError as exc:
+            assert str(exc) == "database or disk is full"
+            return ids
+        ids.append(f"fill{len(ids)}")
+
+
+def test_a_full_file_loses_that_batch_alone_fails_its_attempt_and_is_written_again_once_room_is_freed(tmp_path,
+                                                                                                       capfd):
     path = tmp_path / "rollouts.sqlite"
-    store = SqliteStore(path)
-    store.enqueue([NewRollout("r", Task(id="t", input={}))])
-    with contextlib.closing(sqlite3.connect(path)) as other:  # the table goes away under the writer
-        other.execute("DROP TABLE spans")
-        other.commit()
-    message = f"spans cannot be written to the SQLite store {path}: OperationalError: no such table: spans"
-    store.add_spans([Span(rollout_id="r", sequence_id=0, kind="annotation")])
-    with pytest.raises(RuntimeError, match=message):
-        store.flush()
-    for _ in range(3):  # the same first error, every time
-        with pytest.raises(RuntimeError, match=message):
-            store.add_spans([Span(rollout_id="r", sequence_id=1, kind="annotation")])
-        with pytest.raises(RuntimeError, match=message):
-            store.flush()
+    store = SqliteStore(path, max_bytes=256 * 1024, keep_consumed=False)
+    store.enqueue([NewRollout("r", Task(id="t", input={})), NewRollout("s", Task(id="t", input={}))])
+    lost, kept = store.dequeue("w", 30), store.dequeue("w", 30)
+    filler = fill(store)
+    store.add_spans([Span(rollout_id="r", attempt_id="1", sequence_id=0, kind="annotation",
+                          attributes={"text": "y" * 20000})], leases={("r", "1"): lost.lease})
+    store.flush()  # returns: the batch is lost alone
+    store.release(filler)  # room again
+    store.add_spans([Span(rollout_id="s", attempt_id="1", sequence_id=0, kind="annotation",
+                          attributes={"text": "y" * 20000})], leases={("s", "1"): kept.lease})
+    assert store.finish("r", "1", "succeeded", 1.0, lease=lost.lease)
+    assert store.finish("s", "1", "succeeded", 1.0, lease=kept.lease)
+    r, s = store.get_rollouts(["r", "s"])
+    assert r.status == "failed" and r.spans == []
+    assert r.error == (f"spans not recorded: 1 span(s) of this attempt could not be written (the SQLite store "
+                       f"{path} could not write them: OperationalError: database or disk is full)")
+    assert (s.status, len(s.spans)) == ("succeeded", 1)
     store.close()
     assert capfd.readouterr().err == ""
 
@@ -399,8 +424,8 @@ def test_get_rollouts_json_is_the_json_of_get_rollouts(tmp_path):
     attempt = store.dequeue("w", 30)
     store.add_spans([Span(rollout_id="a", attempt_id=attempt.attempt_id, sequence_id=i, kind="llm_call",
                           prompt_token_ids=[1, 2], response_token_ids=[3], response_logprobs=[-0.1])
-                     for i in (2, 0, 1)])
-    store.finish("a", attempt.attempt_id, "succeeded", 1.0)
+                     for i in (2, 0, 1)], leases={("a", attempt.attempt_id): attempt.lease})
+    store.finish("a", attempt.attempt_id, "succeeded", 1.0, lease=attempt.lease)
     wanted = ["a", "b", "not-held"]
     assert Rollouts.model_validate_json(store.get_rollouts_json(wanted)).rollouts == store.get_rollouts(wanted)
     assert [s.sequence_id for s in store.get_rollouts(["a"])[0].spans] == [0, 1, 2]
@@ -419,8 +444,8 @@ def test_more_rollouts_than_one_statement_takes_are_read_in_the_order_asked_and_
         attempt = store.dequeue("w", 30)
         store.add_spans([Span(rollout_id=attempt.rollout_id, attempt_id=attempt.attempt_id, sequence_id=i,
                               kind="llm_call", response_token_ids=[int(attempt.rollout_id[1:]), i])
-                         for i in range(2)])
-        store.finish(attempt.rollout_id, attempt.attempt_id, "succeeded", 1.0)
+                         for i in range(2)], leases={(attempt.rollout_id, attempt.attempt_id): attempt.lease})
+        store.finish(attempt.rollout_id, attempt.attempt_id, "succeeded", 1.0, lease=attempt.lease)
     wanted = [*reversed(ids), "not-held", ids[7]]
     rollouts = store.get_rollouts(wanted)
     assert [r.rollout_id for r in rollouts] == [*reversed(ids), ids[7]]

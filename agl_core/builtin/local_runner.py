@@ -70,8 +70,9 @@ def start_runtime(ctx) -> LocalRuntime:
         raise
     api_key = gateway.token or "agl"  # the openai client insists on a key; the gateway ignores it without a token
 
-    def llm_for(rollout_id: str, attempt_id: str) -> LLM:
-        return LLM(Gateway.base_url(server.url, rollout_id, attempt_id), cfg.model, api_key, dict(gateway.sampling))
+    def llm_for(rollout_id: str, attempt_id: str, lease: str) -> LLM:
+        return LLM(Gateway.base_url(server.url, rollout_id, attempt_id, lease), cfg.model, api_key,
+                   dict(gateway.sampling))
 
     runner = LocalRunner(store, agent, llm_for, n_workers=cfg.n_workers, timeout_s=cfg.timeout_s,
                          lease_s=cfg.lease_s, max_attempts=cfg.max_attempts).start()

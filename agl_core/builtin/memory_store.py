@@ -15,8 +15,9 @@ from typing import Any
 
 from agl_core import HOOK_API_VERSION, hookimpl
 from agl_core.data import Rollout, Span, Task
-from agl_core.store import (FAILED, QUEUING, RUNNING, TERMINAL, Attempt, AttemptState, NewRollout,
-                            lease_expired_error)
+from agl_core.recordable import check_span
+from agl_core.store import (FAILED, QUEUING, RUNNING, TERMINAL, Attempt, AttemptState, LeaseError, Leases, NewRollout,
+                            check_lease, conflict_error, ended_error, lease_expired_error, new_lease)
 
 AGL_HOOK_API = HOOK_API_VERSION
 
@@ -35,9 +36,10 @@ class _Entry:
     error: str | None = None
     start_time: float | None = None
     end_time: float | None = None
+    lease: str = ""
     spans: list[Span] = field(default_factory=list)
-    span_keys: set[tuple[str | None, int]] = field(default_factory=set)
-    """(attempt id, sequence id) of each span held: a span written again is kept once, as in every store."""
+    span_keys: dict[tuple[str | None, int], Span] = field(default_factory=dict)
+    """Each span held by (attempt id, sequence id): a span written again is kept once, as in every store."""
     next_sequence_id: int = 0
 
     @property
@@ -88,22 +90,24 @@ class MemoryStore:
             entry.attempts += 1
             entry.start_time = time.time()
             entry.lease_expires = time.monotonic() + lease_s
-            return Attempt(rollout_id, entry.attempt_id, entry.task, entry.sample_index, dict(entry.metadata))
+            entry.lease = new_lease()
+            return Attempt(rollout_id, entry.attempt_id, entry.task, entry.sample_index, dict(entry.metadata),
+                           entry.lease)
 
-    def heartbeat(self, rollout_id: str, attempt_id: str, lease_s: float) -> bool:
+    def heartbeat(self, rollout_id: str, attempt_id: str, lease_s: float, *, lease: str | None = None) -> bool:
         with self._changed:
-            entry = self._running(rollout_id, attempt_id)
+            entry = self._running(rollout_id, attempt_id, lease)
             if entry is None:
                 return False
             entry.lease_expires = time.monotonic() + lease_s
             return True
 
     def finish(self, rollout_id: str, attempt_id: str, status: str,
-               final_reward: float | None = None, error: str | None = None) -> bool:
+               final_reward: float | None = None, error: str | None = None, *, lease: str | None = None) -> bool:
         if status not in TERMINAL:
             raise ValueError(f"finish needs a terminal status ({', '.join(sorted(TERMINAL))}), got {status!r}")
         with self._changed:
-            entry = self._running(rollout_id, attempt_id)
+            entry = self._running(rollout_id, attempt_id, lease)
             if entry is None:
                 return False
             entry.status, entry.final_reward, entry.error = status, final_reward, error
@@ -157,15 +161,21 @@ class MemoryStore:
             current = entry.status == RUNNING and entry.attempt_id == attempt_id
             return AttemptState(entry.status, current, entry.metadata)
 
-    def admit(self, rollout_id: str, attempt_id: str, n: int) -> tuple[AttemptState | None, list[int]]:
+    def admit(self, rollout_id: str, attempt_id: str, n: int, *,
+              lease: str | None = None) -> tuple[AttemptState | None, list[int]]:
         with self._changed:
             state = self.attempt_state(rollout_id, attempt_id)
-            return state, [self.next_sequence_id(rollout_id) for _ in range(n)] if state and state.current else []
+            if not (state and state.current):
+                return state, []
+            check_lease(rollout_id, attempt_id, self._entries[rollout_id].lease, lease)
+            return state, [self.next_sequence_id(rollout_id) for _ in range(n)]
 
-    def _running(self, rollout_id: str, attempt_id: str) -> _Entry | None:
+    def _running(self, rollout_id: str, attempt_id: str, lease: str | None) -> _Entry | None:
+        """The entry of the running attempt; None when it is not running; LeaseError for another token."""
         entry = self._entries.get(rollout_id)
         if entry is None or entry.status != RUNNING or entry.attempt_id != attempt_id:
             return None
+        check_lease(rollout_id, attempt_id, entry.lease, lease)
         return entry
 
     # ------------------------------------------------------------ spans
@@ -178,14 +188,28 @@ class MemoryStore:
             entry.next_sequence_id += 1
             return entry.next_sequence_id - 1
 
-    def add_spans(self, spans: Sequence[Span]) -> None:
+    def add_spans(self, spans: Sequence[Span], *, leases: Leases | None = None) -> None:
+        for span in spans:
+            check_span(span)
         with self._changed:
+            new = []
             for span in spans:
                 entry = self._entries.get(span.rollout_id)
                 if entry is None:
                     raise KeyError(f"span of unknown rollout {span.rollout_id!r}")
+                held = entry.span_keys.get((span.attempt_id, span.sequence_id))
+                if held is not None:
+                    if held != span:
+                        raise LeaseError(conflict_error(span))
+                    continue
+                if not _accepts(entry, span):
+                    raise LeaseError(ended_error(span, entry.status))
+                check_lease(span.rollout_id, span.attempt_id, entry.lease, (leases or {}).get(
+                    (span.rollout_id, span.attempt_id)))
+                new.append((entry, span))
+            for entry, span in new:
                 if (span.attempt_id, span.sequence_id) not in entry.span_keys:
-                    entry.span_keys.add((span.attempt_id, span.sequence_id))
+                    entry.span_keys[span.attempt_id, span.sequence_id] = span
                     entry.spans.append(span)
 
     def flush(self) -> None:
@@ -236,6 +260,13 @@ class MemoryStore:
         with self._changed:
             self._entries.clear()
             self._queue.clear()
+
+
+def _accepts(entry: _Entry, span: Span) -> bool:
+    """Whether the entry takes ``span`` (lease aside): one of its latest attempt's, while it runs or, after it
+    ended, under an id handed out before (a call admitted while it ran, whose answer came back after its end)."""
+    return entry.attempt_id == span.attempt_id and (entry.status == RUNNING
+                                                   or span.sequence_id < entry.next_sequence_id)
 
 
 @hookimpl

@@ -33,7 +33,7 @@ from agl_core import HOOK_API_VERSION, hookimpl
 from agl_core.builtin.local_runner import collect_options, gateway_sampling, gateway_seed, policy_urls, weight_version
 from agl_core.config import Section
 from agl_core.data import Rollout, Task
-from agl_core.gateway.client import TOKEN_ENV, check_gateway, set_policy
+from agl_core.gateway.client import ADMIN_TOKEN_ENV, TOKEN_ENV, check_gateway, set_policy
 from agl_core.http_rules import token_from
 from agl_core.plugins import PluginError
 from agl_core.runner import cancel_abandoned, collect
@@ -48,6 +48,8 @@ class RemoteRunnersConfig(Section):
     gateway_url: str | None = Field(None, description="the gateway service the runners' agents call "
                                                       "(agl serve gateway prints it)")
     gateway_token: str | None = Field(None, description="the gateway's bearer token (default: $AGL_GATEWAY_TOKEN)")
+    gateway_admin_token: str | None = Field(None, description="the gateway's admin token, which the trainer sets "
+                                                              "the policy with (default: $AGL_GATEWAY_ADMIN_TOKEN)")
     connect_timeout_s: float = Field(60.0, ge=0, description="how long to retry a gateway that does not answer")
 
 
@@ -82,7 +84,8 @@ def on_train_start(ctx):
 @hookimpl
 def collect_rollouts(ctx, tasks, mode):
     cfg = ctx.plugin_config(NAME)
-    return collect_step(ctx, ctx.state[NAME], cfg.gateway_url, gateway_token(cfg), tasks, mode)
+    return collect_step(ctx, ctx.state[NAME], cfg.gateway_url, token_from(cfg.gateway_admin_token, ADMIN_TOKEN_ENV),
+                        tasks, mode)
 
 
 @hookimpl
@@ -96,16 +99,16 @@ def gateway_token(cfg: RemoteRunnersConfig) -> str | None:
     return token_from(cfg.gateway_token, TOKEN_ENV)
 
 
-def collect_step(ctx, store: Store, gateway_url: str, gateway_token: str | None, tasks: list[Task],
+def collect_step(ctx, store: Store, gateway_url: str, admin_token: str | None, tasks: list[Task],
                  mode: str) -> list[Rollout]:
     """One step's rollouts by runners leasing from ``store`` and calling the gateway at ``gateway_url``.
 
-    Points the gateway at the policy of this step (:func:`set_policy`), queues
+    Points the gateway at the policy of this step (:func:`set_policy`, with the gateway's ``admin_token``), queues
     the tasks and waits for every rollout to end (:func:`agl_core.runner.collect`);
     in training, reports the ``rollout/…`` metrics in ``ctx.step_metrics``.
     """
     set_policy(gateway_url, urls=policy_urls(ctx), weight_version=weight_version(ctx, mode),
-               sampling=gateway_sampling(ctx), seed=gateway_seed(ctx), token=gateway_token)
+               sampling=gateway_sampling(ctx), seed=gateway_seed(ctx), token=admin_token)
     result = collect(store, tasks, max_attempts=ctx.config.rollout.max_attempts, **collect_options(ctx, mode))
     if mode == "train":
         ctx.step_metrics.update(result.metrics)

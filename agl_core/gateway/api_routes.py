@@ -69,15 +69,15 @@ class TranslatedApis:
 
     async def messages(self, request: Request) -> Response:
         """``POST …/v1/messages``: an Anthropic Messages call, answered whole or as Anthropic's events."""
-        rollout_id, attempt_id = request.path_params["rollout_id"], request.path_params["attempt_id"]
+        rollout_id, attempt_id, lease = (request.path_params[key] for key in ("rollout_id", "attempt_id", "lease"))
         try:
             body = await self._body(request, anthropic_key=True)
             stream = anthropic.wants_stream(body)
             chat = anthropic.chat_request(body)
             if stream:
-                opened = await self.gateway.open_stream(rollout_id, attempt_id, CHAT, streamed(chat))
+                opened = await self.gateway.open_stream(rollout_id, attempt_id, CHAT, streamed(chat), lease=lease)
                 return TranslatedEventStream(opened, anthropic.MessageEvents(body["model"]))
-            answer = await self.gateway.call(rollout_id, attempt_id, CHAT, chat)
+            answer = await self.gateway.call(rollout_id, attempt_id, CHAT, chat, lease=lease)
         except RequestError as exc:
             raw = getattr(exc, "raw", None)  # a CallFailed: the policy server's own error answer, if it gave one
             message = upstream_error_message(raw, exc.status) if raw is not None else str(exc)
@@ -86,7 +86,7 @@ class TranslatedApis:
 
     async def responses(self, request: Request) -> Response:
         """``POST …/v1/responses``: an OpenAI Responses call, answered whole or as the Responses events."""
-        rollout_id, attempt_id = request.path_params["rollout_id"], request.path_params["attempt_id"]
+        rollout_id, attempt_id, lease = (request.path_params[key] for key in ("rollout_id", "attempt_id", "lease"))
         attempt = (rollout_id, attempt_id)
         self._start_sweeper()
         try:
@@ -102,10 +102,10 @@ class TranslatedApis:
                                                                                   responses.answer_message(answer))))
 
             if stream:
-                opened = await self.gateway.open_stream(rollout_id, attempt_id, CHAT, streamed(chat))
+                opened = await self.gateway.open_stream(rollout_id, attempt_id, CHAT, streamed(chat), lease=lease)
                 events = responses.ResponseEvents(body)
                 return TranslatedEventStream(opened, events, lambda answer: keep(events.id, answer))
-            answer = await self.gateway.call(rollout_id, attempt_id, CHAT, chat)
+            answer = await self.gateway.call(rollout_id, attempt_id, CHAT, chat, lease=lease)
         except RequestError as exc:
             raw = getattr(exc, "raw", None)  # a CallFailed: the policy server's own error answer, if it gave one
             if raw is not None:  # already in OpenAI's shape

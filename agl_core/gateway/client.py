@@ -27,7 +27,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("agl_core.gateway.client")
 TOKEN_ENV = "AGL_GATEWAY_TOKEN"
-"""The environment variable holding a gateway's bearer token."""
+"""The environment variable holding a gateway's bearer token (the agents')."""
+ADMIN_TOKEN_ENV = "AGL_GATEWAY_ADMIN_TOKEN"
+"""The environment variable holding a gateway's admin token (the trainer's: :func:`set_policy`)."""
 ADMIN_POLICY = "/v1/admin/policy"
 """The gateway's route that sets what it serves."""
 REQUEST_TIMEOUT_S = 30.0
@@ -41,8 +43,8 @@ def set_policy(gateway_url: str, *, urls: list[str], weight_version: int | None,
     ``weight_version`` is recorded on the spans (unless the policy server
     reports its own); ``sampling`` is added to calls that do not set it;
     ``seed`` (None: none) seeds calls that set none (see
-    :func:`~agl_core.gateway.server.call_seed`). Returns the gateway's policy
-    as it now is.
+    :func:`~agl_core.gateway.server.call_seed`). ``token`` is the gateway's
+    admin token (never the agents'). Returns the gateway's policy as it now is.
     """
     body = {"urls": list(urls), "weight_version": weight_version, "sampling": sampling or {}, "seed": seed}
     return call_service(gateway_url, "PUT", ADMIN_POLICY, token, connect_timeout_s, "the gateway", json=body).json()

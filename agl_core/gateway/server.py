@@ -1,7 +1,9 @@
 """The gateway: an OpenAI-compatible HTTP front for the policy servers that records every call as a span.
 
-Agents call ``{gateway}/rollout/{rollout_id}/attempt/{attempt_id}/v1`` as
-their base URL (``POST .../chat/completions`` and ``POST .../completions``).
+Agents call ``{gateway}/rollout/{rollout_id}/attempt/{attempt_id}/lease/{lease}/v1``
+as their base URL (the runner gives them it: the lease token is the
+attempt's, from the store's ``dequeue``, so an agent's calls are recorded for
+its own attempt only) (``POST .../chat/completions`` and ``POST .../completions``).
 For each call the gateway checks the request, forwards it to the policy server
 pinned to the rollout with token ids and log-probs asked for, writes one
 ``llm_call`` span per choice to the store, and returns the server's answer
@@ -9,13 +11,18 @@ unchanged. A request refused with a 4xx writes nothing.
 
 Whoever runs the policy sets, each step, the servers to forward to, the
 weight version of the spans, default sampling and the seed of the run: as
-attributes in the trainer's process, or with ``PUT /v1/admin/policy`` (the
-gateway's token required) on a gateway served alone
-(:mod:`agl_core.gateway.service`).
+attributes in the trainer's process, or with ``PUT /v1/admin/policy`` on a
+gateway served alone (:mod:`agl_core.gateway.service`): the admin token
+(``rollout.gateway.admin_token``) is required, never the agents' token. A
+gateway with neither token (loopback only) takes anyone's; one with an
+agents' token and no admin token refuses every admin call (403).
 
 It keeps the rules of every server of the project (:mod:`agl_core.http_rules`):
 a token off loopback, bounded bodies, sampling parameters checked at the door
-(``n`` at most ``max_n``), a 400 naming the field for anything else. The
+(``n`` at most ``max_n``), a 400 naming the field for anything else, and for
+what no store could record (JSON nested deeper than
+:data:`~agl_core.recordable.MAX_REQUEST_DEPTH` levels or holding a lone
+surrogate, anywhere in the body), on every route. The
 ``model`` an agent names is forwarded as it is: the policy server decides
 (the embedded backend serves any name, vLLM refuses names it does not serve).
 """
@@ -40,7 +47,7 @@ from agl_core.config import GatewayConfig
 from agl_core.data import Span
 from agl_core.gateway.api_routes import TranslatedApis
 from agl_core.gateway.capture import CHAT, COMPLETIONS, Captured, ask_for_tokens, capture, without_token_fields
-from agl_core.gateway.client import ADMIN_POLICY, TOKEN_ENV
+from agl_core.gateway.client import ADMIN_POLICY, ADMIN_TOKEN_ENV, TOKEN_ENV
 from agl_core.gateway.http_client import HttpClient
 from agl_core.gateway.streaming import (EVENT_STREAM, CallStream, EventStreamResponse, check_stream_fields,
                                        chunks_of, dumps, include_usage, one_batch, sse_batches)
@@ -51,10 +58,11 @@ from agl_core.http_rules import (INT64_MAX, RequestError, check_bearer, check_sa
                                  health_response, integer, parse_json_object, policy_token, read_body,
                                  require_token_off_loopback, token_from)
 from agl_core.http_server import ServerThread
-from agl_core.store import AttemptState, Store
+from agl_core.recordable import NotRecordable
+from agl_core.store import AttemptState, LeaseError, Store
 
 log = logging.getLogger("agl_core.gateway")
-PREFIX = "/rollout/{rollout_id}/attempt/{attempt_id}/v1"
+PREFIX = "/rollout/{rollout_id}/attempt/{attempt_id}/lease/{lease}/v1"
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,7 @@ class Gateway:
         self._admit_on_loop = getattr(store, "admits_at_once", False)  # see _admitted
         self.config = config or GatewayConfig()
         self.token = token_from(self.config.token, TOKEN_ENV)
+        self.admin_token = token_from(self.config.admin_token, ADMIN_TOKEN_ENV)
         require_token_off_loopback("the gateway", self.config.host, self.token,
                                    f"rollout.gateway.token (or ${TOKEN_ENV})")
         self.upstream_token = policy_token(self.config.upstream_token)
@@ -127,9 +136,9 @@ class Gateway:
                             setting="rollout.gateway.port").start()
 
     @staticmethod
-    def base_url(server_url: str, rollout_id: str, attempt_id: str) -> str:
-        """The OpenAI base URL an agent uses for one attempt of one rollout."""
-        return f"{server_url}/rollout/{rollout_id}/attempt/{attempt_id}/v1"
+    def base_url(server_url: str, rollout_id: str, attempt_id: str, lease: str) -> str:
+        """The OpenAI base URL an agent uses for one attempt of one rollout, leased under ``lease``."""
+        return f"{server_url}/rollout/{rollout_id}/attempt/{attempt_id}/lease/{lease}/v1"
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette):
@@ -155,7 +164,7 @@ class Gateway:
     async def _set_policy(self, request: Request) -> Response:
         """Set what the body names of ``urls``, ``weight_version``, ``sampling``, ``seed``; answer the policy now."""
         try:
-            check_bearer(request, self.token)
+            self._check_admin(request)
             body = parse_json_object(await read_body(request, self.config.max_body_bytes,
                                                      "rollout.gateway.max_body_bytes", self.config.body_timeout_s))
             policy = parse_policy(body, self.config.max_n)
@@ -172,16 +181,27 @@ class Gateway:
         return JSONResponse({"urls": list(self.upstreams.urls), "weight_version": self.weight_version,
                              "sampling": self.sampling, "seed": self.seed})
 
+    def _check_admin(self, request: Request) -> None:
+        """RequestError unless the caller may use the admin routes: the admin token when the gateway has one;
+        anyone when it has no token at all (loopback only); nobody when only agents have a token."""
+        if self.admin_token is not None:
+            check_bearer(request, self.admin_token)
+        elif self.token is not None:
+            raise RequestError(403, f"the admin routes need the gateway's admin token, which is not set "
+                                    f"(rollout.gateway.admin_token or ${ADMIN_TOKEN_ENV}); the agents' token "
+                                    f"cannot call them")
+
     async def _handle(self, request: Request, endpoint: str) -> Response:
-        rollout_id, attempt_id = request.path_params["rollout_id"], request.path_params["attempt_id"]
+        rollout_id, attempt_id, lease = (request.path_params[key] for key in ("rollout_id", "attempt_id", "lease"))
         try:
             check_bearer(request, self.token)
             body = parse_json_object(await read_body(request, self.config.max_body_bytes,
                                                      "rollout.gateway.max_body_bytes",
                                                      self.config.body_timeout_s))
             if body.get("stream"):
-                return EventStreamResponse(await self.open_stream(rollout_id, attempt_id, endpoint, body))
-            answer = await self.call(rollout_id, attempt_id, endpoint, body)
+                return EventStreamResponse(await self.open_stream(rollout_id, attempt_id, endpoint, body,
+                                                                  lease=lease))
+            answer = await self.call(rollout_id, attempt_id, endpoint, body, lease=lease)
         except CallFailed as exc:
             if exc.raw is not None:  # the policy server's own error answer, passed on as it came
                 return Response(exc.raw, exc.status, media_type="application/json")
@@ -192,12 +212,13 @@ class Gateway:
 
     # ------------------------------------------------------------ the call
 
-    async def call(self, rollout_id: str, attempt_id: str, endpoint: str, body: dict[str, Any]) -> Answer:
+    async def call(self, rollout_id: str, attempt_id: str, endpoint: str, body: dict[str, Any], *,
+                   lease: str | None = None) -> Answer:
         """Perform one model call of a running attempt and record its span(s): the entry point of every API.
 
         ``endpoint`` is :data:`CHAT` or :data:`COMPLETIONS`; ``body`` the
         OpenAI request of that endpoint as a dict (``stream`` is ignored: the
-        call is made whole). It is checked here (:meth:`check_request`), the
+        call is made whole); ``lease`` the attempt's lease token. It is checked here (:meth:`check_request`), the
         attempt admitted, the request forwarded to the rollout's policy server
         with token ids and log-probs asked for (and the gateway's default
         sampling and call seed added), and one ``llm_call`` span per choice
@@ -206,15 +227,16 @@ class Gateway:
         Returns the policy server's OpenAI-shaped :class:`Answer` (its token
         fields included). Raises :class:`RequestError` when the call is
         refused, with nothing written: 400 naming a bad field, 404 unknown
-        rollout, 409 attempt not running; or 503 when the store cannot record
-        it. Raises :class:`CallFailed` when the policy server gave no usable
+        rollout, 409 attempt not running or leased under another token; 502
+        when the policy server's answer cannot be recorded; or 503 when the
+        store cannot record it. Raises :class:`CallFailed` when the policy server gave no usable
         answer (its status, or 502/503/504); an errored span is written.
         Translations of other APIs (Anthropic Messages, OpenAI Responses) call
         this with the chat request they translate to and turn the answer or
         the error into their own shapes.
         """
         self.check_request(endpoint, body)
-        state, sequence_ids = await self._admitted(rollout_id, attempt_id, body.get("n") or 1)
+        state, sequence_ids = await self._admitted(rollout_id, attempt_id, body.get("n") or 1, lease)
         # A weight sync holds new calls here and lets those in flight finish first (weight_sync.CallGate), so
         # the version read at admission is the one that serves the call, whenever its span is written.
         async with self.calls.admitted():
@@ -231,7 +253,7 @@ class Gateway:
         common = self._span_attributes(endpoint, upstream, forwarded.status, forwarded.tries, state, weight_version)
         spans, response = _spans(rollout_id, attempt_id, sequence_ids, endpoint, body, forwarded, common,
                                  start, time.time())
-        self._record(rollout_id, spans)
+        self._record(rollout_id, attempt_id, lease, spans)
         if forwarded.error is not None:
             raise CallFailed(forwarded.status, forwarded.error)
         if forwarded.status >= 400:
@@ -241,7 +263,7 @@ class Gateway:
         return Answer(forwarded.status, response, forwarded.body)
 
     async def open_stream(self, rollout_id: str, attempt_id: str, endpoint: str,
-                          body: dict[str, Any]) -> CallStream:
+                          body: dict[str, Any], *, lease: str | None = None) -> CallStream:
         """Start one streamed model call of a running attempt: :meth:`call`'s streamed twin.
 
         Checked, admitted and forwarded as :meth:`call` does (with
@@ -264,7 +286,7 @@ class Gateway:
         record it.
         """
         self.check_request(endpoint, body)
-        state, sequence_ids = await self._admitted(rollout_id, attempt_id, body.get("n") or 1)
+        state, sequence_ids = await self._admitted(rollout_id, attempt_id, body.get("n") or 1, lease)
         held = contextlib.AsyncExitStack()
         await held.enter_async_context(self.calls.admitted())
         start, weight_version = time.time(), self.weight_version
@@ -293,7 +315,7 @@ class Gateway:
                 common = self._span_attributes(endpoint, upstream, status, tries, state, weight_version)
                 spans = _answer_spans(rollout_id, attempt_id, sequence_ids, endpoint, body, response, error, common,
                                       start, time.time())
-                self._record(rollout_id, spans)
+                self._record(rollout_id, attempt_id, lease, spans)
                 raise CallFailed(status, error, opened.body if opened.error is None and status >= 400 else None)
             batches = one_batch([dumps(chunk) for chunk in chunks_of(endpoint, response, include_usage(body))])
             release = None
@@ -312,7 +334,7 @@ class Gateway:
                 for span in spans:
                     span.attributes["incomplete"] = True
             try:
-                self._record(rollout_id, spans)
+                self._record(rollout_id, attempt_id, lease, spans)
             except RequestError as exc:
                 stream.record_error = str(exc)
 
@@ -337,7 +359,8 @@ class Gateway:
         check_sampling(body, max_n=self.config.max_n, logprobs_key="top_logprobs" if endpoint == CHAT else "logprobs")
         check_stream_fields(body)
 
-    async def _admitted(self, rollout_id: str, attempt_id: str, n: int) -> tuple[AttemptState, list[int]]:
+    async def _admitted(self, rollout_id: str, attempt_id: str, n: int,
+                        lease: str | None) -> tuple[AttemptState, list[int]]:
         """:meth:`_admit` on the event loop for a store that ``admits_at_once`` (the memory store), else on a
         worker thread.
 
@@ -347,15 +370,18 @@ class Gateway:
         more on busy cores) would cost more than it, on every call's first-token path.
         """
         if self._admit_on_loop:
-            return self._admit(rollout_id, attempt_id, n)
-        return await asyncio.to_thread(self._admit, rollout_id, attempt_id, n)
+            return self._admit(rollout_id, attempt_id, n, lease)
+        return await asyncio.to_thread(self._admit, rollout_id, attempt_id, n, lease)
 
-    def _admit(self, rollout_id: str, attempt_id: str, n: int) -> tuple[AttemptState, list[int]]:
-        """The running attempt's state and a sequence id per choice; RequestError when the attempt is not running."""
+    def _admit(self, rollout_id: str, attempt_id: str, n: int, lease: str | None) -> tuple[AttemptState, list[int]]:
+        """The running attempt's state and a sequence id per choice; RequestError when the attempt is not running
+        or is leased under another token."""
         try:
-            state, sequence_ids = self.store.admit(rollout_id, attempt_id, n)
+            state, sequence_ids = self.store.admit(rollout_id, attempt_id, n, lease=lease)
         except KeyError:  # released between the check and the ids: it ended meanwhile
             raise RequestError(409, f"rollout {rollout_id!r} ended; its calls are not recorded") from None
+        except LeaseError as exc:
+            raise RequestError(409, f"{exc}; this base URL is not the attempt's") from None
         if state is None:
             raise RequestError(404, f"unknown rollout {rollout_id!r}")
         if not state.current:
@@ -363,17 +389,21 @@ class Gateway:
                                     f"(the rollout is {state.rollout_status}); its calls are not recorded")
         return state, sequence_ids
 
-    def _record(self, rollout_id: str, spans: list[Span]) -> None:
-        """Write the call's spans; RequestError 503 when the store cannot (the agent must not train blind).
+    def _record(self, rollout_id: str, attempt_id: str, lease: str | None, spans: list[Span]) -> None:
+        """Write the call's spans; RequestError 502 when the policy server's answer cannot be recorded (the
+        request was checked at the door), 503 when the store cannot write (the agent must not train blind).
 
         Called on the event loop: ``add_spans`` only queues (the SQLite store's writer, the store client's
         uploader) or appends in memory, so a hop to a thread would cost more than the call; it blocks only
         when its queue is full, and then every call should wait.
         """
         try:
-            self.store.add_spans(spans)
-        except KeyError:  # the rollout ended (timed out) and was consumed while this call was in flight
-            log.info("rollout %s was released before its call returned; the call is not recorded", rollout_id)
+            self.store.add_spans(spans, leases={(rollout_id, attempt_id): lease})
+        except (KeyError, LeaseError) as exc:  # the attempt ended (timed out) and was consumed while in flight
+            log.info("rollout %s attempt %s ended before its call returned; the call is not recorded (%s)",
+                     rollout_id, attempt_id, exc)
+        except NotRecordable as exc:
+            raise RequestError(502, f"the policy server's answer cannot be recorded: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - a store that cannot write fails the call, not the gateway
             if not self._store_failed:
                 self._store_failed = True

@@ -1,8 +1,10 @@
 """``agl serve gateway``: the gateway alone in its process, recording into a store service.
 
 Agents on other machines reach a gateway served this way; several can serve
-behind one store. Its clients (the trainer's :func:`~agl_core.gateway.client.set_policy`,
-the runners' :func:`~agl_core.gateway.client.check_gateway`) are in
+behind one store. Its admin route (``PUT /v1/admin/policy``) takes the admin
+token in ``$AGL_GATEWAY_ADMIN_TOKEN``, never the agents' ``--token``. Its
+clients (the trainer's :func:`~agl_core.gateway.client.set_policy`, the
+runners' :func:`~agl_core.gateway.client.check_gateway`) are in
 :mod:`agl_core.gateway.client`.
 """
 
@@ -14,7 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from agl_core.config import ConfigError, GatewayConfig
-from agl_core.gateway.client import TOKEN_ENV, check_service
+from agl_core.gateway.client import ADMIN_TOKEN_ENV, TOKEN_ENV, check_service
 from agl_core.gateway.server import Gateway
 from agl_core.http_rules import require_token_off_loopback, token_from
 from agl_core.http_server import stop_on_signals
@@ -23,6 +25,8 @@ STORE_CONNECT_TIMEOUT_S = 60.0
 """How long the gateway waits at start-up for its store service to answer."""
 FLAGGED = ("host", "port", "token")
 """Gateway settings with flags of their own, refused in ``--config``."""
+FROM_ENVIRONMENT = {"admin_token": ADMIN_TOKEN_ENV}
+"""Gateway settings read from the environment only (a command line is readable by other users)."""
 
 
 def main(args) -> int:
@@ -58,8 +62,11 @@ def gateway_config(items: list[str], **flags: Any) -> GatewayConfig:
             raise ConfigError(f"--config {item!r} is not of the form KEY=VALUE (e.g. --config max_n=16)")
         if key in FLAGGED:
             raise ConfigError(f"--config {item!r}: set {key} with --{key}")
+        if key in FROM_ENVIRONMENT:
+            raise ConfigError(f"--config {key}=...: set {key} in ${FROM_ENVIRONMENT[key]} (a command line is "
+                              f"readable by other users)")
         if key not in GatewayConfig.model_fields:
-            allowed = ", ".join(k for k in GatewayConfig.model_fields if k not in FLAGGED)
+            allowed = ", ".join(k for k in GatewayConfig.model_fields if k not in (*FLAGGED, *FROM_ENVIRONMENT))
             raise ConfigError(f"--config {item!r}: unknown gateway setting {key!r} (allowed: {allowed})")
         settings[key] = value
     try:

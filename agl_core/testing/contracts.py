@@ -67,7 +67,8 @@ from agl_core.config import Recipe, load
 from agl_core.context import TrainContext
 from agl_core.data import Batch, Rollout, Span, Task, Triplet
 from agl_core.plugins import PluginSet, call
-from agl_core.store import TERMINAL, NewRollout, Store
+from agl_core.recordable import MAX_SPAN_DEPTH
+from agl_core.store import SPANS_LOST, TERMINAL, LeaseError, NewRollout, Store
 
 ROW_TENSORS = ("input_ids", "attention_mask", "position_ids", "prompts", "responses", "response_mask",
                "token_level_scores", "is_drop_mask")
@@ -563,10 +564,15 @@ def check_store_lifecycle(store: Store) -> None:
     assert not store.attempt_state("a", "2").current and store.attempt_state("nope", "1") is None
     ids = [store.next_sequence_id("a") for _ in range(3)]
     assert ids == sorted(set(ids)) and len(ids) == 3, f"next_sequence_id must hand out increasing ids, got {ids}"
-    store.add_spans([_call_span("a", "1", ids[2]), _call_span("a", "1", ids[0])])
-    store.add_spans([Span(rollout_id="a", attempt_id="1", sequence_id=ids[1], kind="reward", reward=0.5)])
-    assert store.finish("a", "1", "succeeded", final_reward=1.0), "finish of the running attempt must return True"
-    assert not store.finish("a", "1", "failed"), "a second finish must return False and change nothing"
+    assert attempt.lease, "dequeue must hand over the attempt's lease token"
+    leases = {("a", "1"): attempt.lease}
+    store.add_spans([_call_span("a", "1", ids[2]), _call_span("a", "1", ids[0])], leases=leases)
+    store.add_spans([Span(rollout_id="a", attempt_id="1", sequence_id=ids[1], kind="reward", reward=0.5)],
+                    leases=leases)
+    assert store.finish("a", "1", "succeeded", final_reward=1.0, lease=attempt.lease), (
+        "finish of the running attempt must return True")
+    assert not store.finish("a", "1", "failed", lease=attempt.lease), (
+        "a second finish must return False and change nothing")
     store.flush()
     (rollout,) = store.get_rollouts(["a"])
     assert (rollout.status, rollout.final_reward, rollout.task_id) == ("succeeded", 1.0, "task-a"), rollout
@@ -580,16 +586,19 @@ def check_store_admit(store: Store) -> None:
     """``admit``: the attempt's state and, for the running attempt only, ``n`` fresh sequence ids."""
     store.enqueue([_new("a", agent_name="guesser"), _new("b")])
     attempt = store.dequeue("w1", lease_s=30)
-    state, ids = store.admit("a", attempt.attempt_id, 2)
+    state, ids = store.admit("a", attempt.attempt_id, 2, lease=attempt.lease)
     assert state.current and state.rollout_status == "running" and state.metadata == {"agent_name": "guesser"}, (
         f"admit of the running attempt must give its state, got {state}")
     assert len(ids) == 2 and ids == sorted(set(ids)), f"admit must hand out n increasing ids, got {ids}"
     later = store.next_sequence_id("a")
     assert later > ids[-1], f"ids after admit must come after its ids, got {later} after {ids}"
-    assert store.admit("a", "2", 3)[1] == [], "admit of an attempt that is not running must hand out no id"
-    state, ids = store.admit("b", "1", 1)
+    assert store.admit("a", "2", 3, lease=attempt.lease)[1] == [], (
+        "admit of an attempt that is not running must hand out no id")
+    state, ids = store.admit("b", "1", 1, lease=attempt.lease)
     assert (state.rollout_status, state.current, ids) == ("queuing", False, []), (state, ids)
     assert store.admit("nope", "1", 1) == (None, []), "admit of an unknown rollout must give (None, [])"
+    with pytest.raises(LeaseError):  # the running attempt, under another token
+        store.admit("a", attempt.attempt_id, 1, lease="not-the-token")
 
 
 def check_store_queues_ahead(store: Store) -> None:
@@ -613,13 +622,13 @@ def check_store_lease_expiry(store: Store) -> None:
     store.enqueue([_new("a", max_attempts=2), _new("b")])
     first = store.dequeue("lost-worker", lease_s=0.05)
     assert first.rollout_id == "a"
-    store.add_spans([_call_span("a", "1", store.next_sequence_id("a"))])
+    store.add_spans([_call_span("a", "1", store.next_sequence_id("a"))], leases={("a", "1"): first.lease})
     time.sleep(0.1)
     second = store.dequeue("w2", lease_s=0.05)
     assert (second.rollout_id, second.attempt_id) == ("a", "2"), (
         f"an expired lease must put its rollout back at the front of the queue as attempt '2', got {second}")
-    assert not store.heartbeat("a", "1", 30), "heartbeat of a lost attempt must return False"
-    assert not store.finish("a", "1", "succeeded"), "finish of a lost attempt must return False"
+    assert not store.heartbeat("a", "1", 30, lease=first.lease), "heartbeat of a lost attempt must return False"
+    assert not store.finish("a", "1", "succeeded", lease=first.lease), "finish of a lost attempt must return False"
     time.sleep(0.1)
     assert store.requeue_expired() == 1
     (rollout,) = store.get_rollouts(["a"])
@@ -632,10 +641,10 @@ def check_store_heartbeat(store: Store) -> None:
     """A heartbeat extends the lease past its first expiry."""
     store.enqueue([_new("a", max_attempts=1)])
     attempt = store.dequeue("w", lease_s=0.3)
-    assert store.heartbeat("a", attempt.attempt_id, 30)
+    assert store.heartbeat("a", attempt.attempt_id, 30, lease=attempt.lease)
     time.sleep(0.4)
     assert store.requeue_expired() == 0 and store.attempt_state("a", attempt.attempt_id).current
-    assert store.finish("a", attempt.attempt_id, "timed_out", error="too slow")
+    assert store.finish("a", attempt.attempt_id, "timed_out", error="too slow", lease=attempt.lease)
     assert store.get_rollouts(["a"])[0].status == "timed_out"
 
 
@@ -645,8 +654,8 @@ def check_store_wait_cancel_release(store: Store) -> None:
     store.enqueue([_new("a"), _new("b"), _new("queued")])
     a, b = store.dequeue("w", 30), store.dequeue("w", 30)
     assert store.wait(["a", "b"], timeout_s=0.05) == set()
-    store.finish("a", a.attempt_id, "succeeded")
-    timer = threading.Timer(0.05, lambda: store.finish("b", b.attempt_id, "failed", error="boom"))
+    store.finish("a", a.attempt_id, "succeeded", lease=a.lease)
+    timer = threading.Timer(0.05, lambda: store.finish("b", b.attempt_id, "failed", error="boom", lease=b.lease))
     timer.start()
     assert store.wait(["a", "b"], timeout_s=10) == {"a", "b"}, "wait must return once every rollout is terminal"
     timer.join()
@@ -665,7 +674,7 @@ def check_store_many_workers(store: Store) -> None:
 
     def worker(name: str) -> None:
         while (attempt := store.dequeue(name, 30)) is not None:
-            store.finish(attempt.rollout_id, attempt.attempt_id, "succeeded", final_reward=1.0)
+            store.finish(attempt.rollout_id, attempt.attempt_id, "succeeded", final_reward=1.0, lease=attempt.lease)
             with lock:
                 taken.append(attempt.rollout_id)
 
@@ -682,16 +691,82 @@ def check_store_spans_written_again(store: Store) -> None:
     store.enqueue([_new("a")])
     attempt = store.dequeue("w", 30)
     span = _call_span("a", attempt.attempt_id, store.next_sequence_id("a"))
-    store.add_spans([span])
-    store.add_spans([span])
-    store.finish("a", attempt.attempt_id, "succeeded")
-    assert len(store.get_rollouts(["a"])[0].spans) == 1, "a span written again must be kept once"
+    leases = {("a", attempt.attempt_id): attempt.lease}
+    store.add_spans([span], leases=leases)
+    store.add_spans([span], leases=leases)
+    other = span.model_copy(update={"attributes": {"another": "call"}})
+    try:  # the first span under an id stays; another one is refused, not ignored
+        store.add_spans([other], leases=leases)
+        store.flush()
+        refused_at_once = False  # a store that writes later (a service's client): the attempt ends failed
+    except LeaseError:
+        refused_at_once = True
+    store.finish("a", attempt.attempt_id, "succeeded", lease=attempt.lease)
+    (rollout,) = store.get_rollouts(["a"])
+    assert rollout.spans == [span], "a span written again must be kept once, and a conflicting one not at all"
+    assert rollout.status == ("succeeded" if refused_at_once else "failed"), (
+        f"a conflicting span must be refused when added, or fail its attempt: {rollout}")
+    assert refused_at_once or rollout.error.startswith(SPANS_LOST), rollout.error
+
+
+def check_store_leases(store: Store) -> None:
+    """Only the lease token's holder acts on an attempt: heartbeat, finish and spans under another token (or
+    none) raise LeaseError and change nothing; spans of an unknown or ended attempt are refused."""
+    store.enqueue([_new("a"), _new("b")])
+    attempt = store.dequeue("w", 30)
+    for lease in (None, "not-the-token"):
+        with pytest.raises(LeaseError):
+            store.heartbeat("a", attempt.attempt_id, 30, lease=lease)
+        with pytest.raises(LeaseError):
+            store.finish("a", attempt.attempt_id, "succeeded", final_reward=9.0, lease=lease)
+        _refused(store, _call_span("a", attempt.attempt_id, store.next_sequence_id("a")), lease)
+    _refused(store, _call_span("a", "7", store.next_sequence_id("a")), attempt.lease)  # an attempt that never ran
+    _refused(store, _call_span("b", "1", store.next_sequence_id("b")), attempt.lease)  # still queued: none runs
+    assert store.attempt_state("a", attempt.attempt_id).current, "a refused call must change nothing"
+    assert store.finish("a", attempt.attempt_id, "succeeded", final_reward=1.0, lease=attempt.lease)
+    # ended: an id handed out after its end is not one of its calls
+    _refused(store, _call_span("a", attempt.attempt_id, store.next_sequence_id("a") + 1), attempt.lease)
+    (rollout,) = store.get_rollouts(["a"])
+    assert (rollout.status, rollout.final_reward, rollout.spans) == ("succeeded", 1.0, []), rollout
+
+
+def _refused(store: Store, span: Span, lease: str | None) -> None:
+    """Add ``span`` under ``lease``, which the store must refuse: LeaseError at once, or (a store that writes
+    later: a service's client) dropped by the time it is flushed; the callers check that nothing was written."""
+    try:
+        store.add_spans([span], leases={(span.rollout_id, span.attempt_id): lease})
+        store.flush()
+    except LeaseError:
+        pass
+
+
+def check_store_refuses_unrecordable_spans(store: Store) -> None:
+    """A span no reader could read back (nested deeper than MAX_SPAN_DEPTH, a lone surrogate in a key or a value)
+    is a ValueError naming its path when added, nothing of its call is written, and the store goes on."""
+    store.enqueue([_new("a")])
+    attempt = store.dequeue("w", 30)
+    leases = {("a", attempt.attempt_id): attempt.lease}
+    deep: Any = "leaf"
+    for _ in range(MAX_SPAN_DEPTH):
+        deep = {"x": deep}
+    bad = [{"request": deep}, {"request": {"content": "hi \ud800"}}, {"meta": {"\udfff": 1}},
+           {"list": ["ok", ["\udbff tail"]]}]
+    for attributes in bad:
+        span = _call_span("a", attempt.attempt_id, store.next_sequence_id("a")).model_copy(
+            update={"attributes": attributes})
+        with pytest.raises(ValueError, match=r"attributes\.(request|meta|list)"):
+            store.add_spans([span], leases=leases)
+    good = _call_span("a", attempt.attempt_id, store.next_sequence_id("a"))
+    store.add_spans([good], leases=leases)
+    assert store.finish("a", attempt.attempt_id, "succeeded", lease=attempt.lease)
+    (rollout,) = store.get_rollouts(["a"])
+    assert (rollout.status, rollout.spans) == ("succeeded", [good]), rollout
 
 
 STORE_CHECKS: tuple[Callable[[Store], None], ...] = (
     check_store_lifecycle, check_store_refuses_duplicates, check_store_queues_ahead, check_store_lease_expiry,
     check_store_heartbeat, check_store_wait_cancel_release, check_store_many_workers,
-    check_store_spans_written_again, check_store_admit,
+    check_store_spans_written_again, check_store_admit, check_store_leases, check_store_refuses_unrecordable_spans,
 )
 
 
@@ -907,6 +982,12 @@ class StoreContract(_ContractBase):
 
     def test_admit(self, store):
         check_store_admit(store)
+
+    def test_leases(self, store):
+        check_store_leases(store)
+
+    def test_unrecordable_spans_refused(self, store):
+        check_store_refuses_unrecordable_spans(store)
 
 
 class LoggerContract(_ContractBase):

@@ -64,8 +64,8 @@ def runner(tmp_path):
     store = SqliteStore(tmp_path / "rollouts.sqlite")
     gateway_server = Gateway(store, GatewayConfig(), {}, upstreams=[endpoint_server.url + "/v1"]).serve()
 
-    def llm_for(rollout_id, attempt_id):
-        return LLM(Gateway.base_url(gateway_server.url, rollout_id, attempt_id), "policy", "key")
+    def llm_for(rollout_id, attempt_id, lease):
+        return LLM(Gateway.base_url(gateway_server.url, rollout_id, attempt_id, lease), "policy", "key")
 
     RELEASE.clear()
     runner = LocalRunner(store, agent, llm_for, n_workers=len(EXPECTED), timeout_s=TIMEOUT_S).start()

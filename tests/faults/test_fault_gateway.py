@@ -48,17 +48,26 @@ def gateway(endpoint, store):
         server.stop()
 
 
+LEASES: dict[str, str] = {}
+"""The lease token of each rollout's running attempt (:func:`running`'s)."""
+
+
 def running(store, n: int) -> list[str]:
     """``n`` rollouts with a running attempt each ("1"); their ids."""
     ids = [f"r{i}" for i in range(n)]
     store.enqueue([NewRollout(rid, Task(id=rid, input={})) for rid in ids])
     for _ in ids:
-        assert store.dequeue("worker", lease_s=300) is not None
+        attempt = store.dequeue("worker", lease_s=300)
+        LEASES[attempt.rollout_id] = attempt.lease
     return ids
 
 
+def base_url(server, rollout_id: str) -> str:
+    return Gateway.base_url(server.url, rollout_id, "1", LEASES[rollout_id])
+
+
 def chat_url(server, rollout_id: str) -> str:
-    return Gateway.base_url(server.url, rollout_id, "1") + "/chat/completions"
+    return base_url(server, rollout_id) + "/chat/completions"
 
 
 def test_a_burst_of_500_concurrent_calls_is_answered_and_recorded(gateway, store):
@@ -84,7 +93,7 @@ def test_a_burst_of_500_concurrent_calls_is_answered_and_recorded(gateway, store
 def test_slow_body_clients_are_cut_off_and_the_server_stays_up(gateway, store):
     server = gateway(body_timeout_s=1.0)
     (rid,) = running(store, 1)
-    path = f"/rollout/{rid}/attempt/1/v1/chat/completions"
+    path = chat_url(server, rid).removeprefix(server.url)
     slow = []
     for _ in range(20):  # each declares 1,000 bytes and sends 10 of them
         sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
@@ -92,7 +101,7 @@ def test_slow_body_clients_are_cut_off_and_the_server_stays_up(gateway, store):
                      f"Content-Length: 1000\r\n\r\n{{\"messages\"".encode())
         slow.append(sock)
     # While they trickle, an ordinary call goes through.
-    llm = openai.OpenAI(base_url=Gateway.base_url(server.url, rid, "1"), api_key="x", max_retries=0)
+    llm = openai.OpenAI(base_url=base_url(server, rid), api_key="x", max_retries=0)
     assert llm.chat.completions.create(model="policy", messages=MESSAGE).choices[0].message.content == "echo: ping"
     deadline = time.monotonic() + 15
     for sock in slow:
@@ -120,7 +129,7 @@ def test_absurd_requests_get_a_400_and_the_gateway_stays_responsive(gateway, sto
         answer = httpx.post(url, content=json.dumps(body), timeout=10)  # json.dumps writes NaN/Infinity
         assert answer.status_code == 400 and message in answer.json()["error"]["message"], answer.text
     deep = httpx.post(url, content=b"[" * 100_000 + b"]" * 100_000, timeout=10)
-    assert deep.status_code == 400 and deep.json()["error"]["message"] == "request body is nested too deeply"
+    assert deep.status_code == 400 and deep.json()["error"]["message"].startswith("request body is nested too deeply")
     assert httpx.get(f"{server.url}/healthz", timeout=2).status_code == 200
     assert endpoint.calls == 0  # nothing was forwarded
     store.flush()

@@ -13,6 +13,7 @@ policy endpoint on 127.0.0.1, agents calling the model through the real ``openai
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import sqlite3
@@ -31,8 +32,15 @@ from agl_core.store import NewRollout
 from agl_core.store_client import HttpStore
 
 TOKEN = "gateway-secret"
+ADMIN = "gateway-admin-secret"
+"""The gateway's admin token: the trainer's, never the agents'."""
 LEASE_S = 2
 START_S = 60.0  # bound on a process's start-up (it imports torch, on 2 busy cores)
+
+def with_pythonpath(path) -> str:
+    """``path`` ahead of this process's PYTHONPATH (a checkout's code first, as in this process)."""
+    return os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")]))
+
 
 AGENTS = '''
 import os
@@ -72,7 +80,7 @@ class Plane:
         self.procs = []
         self.store = self._service("store", "serve", "store", "--db", tmp_path / "store.sqlite")
         self.gateway = self._service("gateway", "serve", "gateway", "--store", self.store, "--token", TOKEN,
-                                     "--upstream", endpoint_url)
+                                     "--upstream", endpoint_url, env={"AGL_GATEWAY_ADMIN_TOKEN": ADMIN})
 
     def _service(self, name: str, *args, env=None, prefix: str = "http://") -> str:
         log = self.tmp_path / f"{name}.log"
@@ -82,7 +90,8 @@ class Plane:
     def runner(self, name: str, sleep_s: float = 0.0):
         self._service(name, "runner", "--store", self.store, "--gateway", self.gateway, "--gateway-token", TOKEN,
                       "--agent", "fault_agents:echo", "--workers", "4", "--lease-s", LEASE_S,
-                      env={"PYTHONPATH": str(self.tmp_path), "AGENT_SLEEP_S": str(sleep_s)}, prefix="agl runner: ")
+                      env={"PYTHONPATH": with_pythonpath(self.tmp_path), "AGENT_SLEEP_S": str(sleep_s)},
+                      prefix="agl runner: ")
         return self.procs[-1]
 
     def close(self) -> None:
@@ -135,8 +144,9 @@ def test_a_runner_killed_mid_rollout_has_its_rollouts_finished_by_another_once(p
         assert conn.execute("SELECT COUNT(*), SUM(status = 'succeeded') FROM rollouts").fetchone() == (4, 4)
 
 
-@pytest.mark.parametrize("token", [None, "wrong"])
+@pytest.mark.parametrize("token", [None, "wrong", TOKEN])
 def test_a_missing_or_wrong_token_is_401_and_writes_nothing(plane, endpoint, token):
+    """The admin route takes the admin token only: the agents' own token (TOKEN) is refused like a wrong one."""
     with pytest.raises(ValueError, match=r"answered PUT /v1/admin/policy with 401: missing or wrong bearer token"):
         set_policy(plane.gateway, urls=["http://127.0.0.1:9/v1"], weight_version=5, token=token)
     health = httpx.get(f"{plane.gateway}/healthz", headers={"Authorization": f"Bearer {TOKEN}"}).json()
@@ -146,9 +156,11 @@ def test_a_missing_or_wrong_token_is_401_and_writes_nothing(plane, endpoint, tok
     try:
         store.enqueue([NewRollout("r", Task(id="t", input={}))])
         attempt = store.dequeue("test", lease_s=60)
-        base_url = Gateway.base_url(plane.gateway, "r", attempt.attempt_id)
+        base_url = Gateway.base_url(plane.gateway, "r", attempt.attempt_id, attempt.lease)
         body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
-        if token is None:  # the openai client always sends a key
+        if token == TOKEN:  # the agents' token: refused by the admin route above, taken by the agents' routes
+            pass
+        elif token is None:  # the openai client always sends a key
             refused = httpx.post(f"{base_url}/chat/completions", json=body)
             assert refused.status_code == 401 and "missing or wrong bearer token" in refused.text
         else:
@@ -156,7 +168,7 @@ def test_a_missing_or_wrong_token_is_401_and_writes_nothing(plane, endpoint, tok
                 openai.OpenAI(base_url=base_url, api_key=token, max_retries=0).chat.completions.create(**body)
         answered = openai.OpenAI(base_url=base_url, api_key=TOKEN, max_retries=0)
         answered.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
-        store.finish("r", attempt.attempt_id, "succeeded", 1.0)
+        store.finish("r", attempt.attempt_id, "succeeded", 1.0, lease=attempt.lease)
 
         def spans():
             return store.get_rollouts(["r"])[0].spans
@@ -170,7 +182,8 @@ def test_a_missing_or_wrong_token_is_401_and_writes_nothing(plane, endpoint, tok
 
 def test_a_runner_with_a_wrong_gateway_token_exits_naming_the_gateway(plane, agl):
     done = agl.run("runner", "--store", plane.store, "--gateway", plane.gateway, "--gateway-token", "wrong",
-                   "--agent", "fault_agents:echo", "--connect-timeout-s", 5, env={"PYTHONPATH": str(plane.tmp_path)},
+                   "--agent", "fault_agents:echo", "--connect-timeout-s", 5,
+                   env={"PYTHONPATH": with_pythonpath(plane.tmp_path)},
                    timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert f"agl: error: the gateway at {plane.gateway} refuses the token given" in done.stderr
@@ -182,7 +195,7 @@ def test_a_runner_against_a_store_that_does_not_answer_retries_then_exits_naming
         probe.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{probe.getsockname()[1]}"
     done = agl.run("runner", "--store", url, "--gateway", "http://127.0.0.1:9", "--agent", "fault_agents:echo",
-                   "--connect-timeout-s", 2, env={"PYTHONPATH": str(tmp_path)}, timeout=120)
+                   "--connect-timeout-s", 2, env={"PYTHONPATH": with_pythonpath(tmp_path)}, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("agl: error:")]
     assert len(errors) == 1 and f"the store service at {url} does not answer" in errors[0]

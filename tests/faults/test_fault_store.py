@@ -38,7 +38,7 @@ while True:
     ids = [store.next_sequence_id("r") for _ in range(50)]
     store.add_spans([Span(rollout_id="r", attempt_id=attempt.attempt_id, sequence_id=i, kind="llm_call",
                           prompt_token_ids=list(range(40)), response_token_ids=[i], response_logprobs=[-0.5])
-                     for i in ids])
+                     for i in ids], leases={("r", attempt.attempt_id): attempt.lease})
     store.flush()
     print(ids[-1], flush=True)  # every span up to here is acknowledged
 """
@@ -77,7 +77,9 @@ def test_kill_9_of_a_span_writer_keeps_every_acknowledged_span_once(tmp_path):
             twice = conn.execute("SELECT rollout_id, attempt_id, sequence_id, COUNT(*) FROM spans "
                                  "GROUP BY rollout_id, attempt_id, sequence_id HAVING COUNT(*) > 1").fetchall()
         assert twice == []
-        assert store.finish("r", "1", "failed", error="the writer was killed")
+        with contextlib.closing(sqlite3.connect(path)) as conn:  # the operator's view: the killed writer's lease
+            (lease,) = conn.execute("SELECT lease FROM rollouts WHERE rollout_id = 'r'").fetchone()
+        assert store.finish("r", "1", "failed", error="the writer was killed", lease=lease)
         (rollout,) = store.get_rollouts(["r"])
         ids = [s.sequence_id for s in rollout.spans]
         assert ids[: highest + 1] == list(range(highest + 1))  # every acknowledged span, in order

@@ -20,9 +20,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 from agl_core import HOOK_API_VERSION, hookimpl
 from agl_core.builtin.remote_runners import collect_step
+from agl_core.gateway.client import ADMIN_TOKEN_ENV as GATEWAY_ADMIN_TOKEN_ENV
 from agl_core.gateway.client import TOKEN_ENV as GATEWAY_TOKEN_ENV
 from agl_core.gateway.client import check_gateway
-from agl_core.http_rules import POLICY_TOKEN_ENV, is_loopback
+from agl_core.http_rules import POLICY_TOKEN_ENV, is_loopback, token_from
 from agl_core.plugins import PluginError
 from agl_core.runner import cancel_abandoned
 from agl_core.store_client import TOKEN_ENV as STORE_TOKEN_ENV
@@ -46,6 +47,7 @@ class RayRuntime:
     store: HttpStore
     gateway_url: str
     gateway_token: str | None
+    gateway_admin_token: str | None
     actors: RunnerActors
     cleanup: contextlib.ExitStack
 
@@ -71,7 +73,7 @@ def on_train_start(ctx):
 @hookimpl
 def collect_rollouts(ctx, tasks, mode):
     rt: RayRuntime = ctx.state[NAME]
-    rollouts = collect_step(ctx, rt.store, rt.gateway_url, rt.gateway_token, tasks, mode)
+    rollouts = collect_step(ctx, rt.store, rt.gateway_url, rt.gateway_admin_token, tasks, mode)
     if mode == "train":
         ctx.step_metrics.update(rt.actors.health())
     return rollouts
@@ -103,9 +105,12 @@ def start_runtime(ctx) -> RayRuntime:
             store_url = start_service(cleanup, ctx, cfg, "store", ["--db", str(ctx.run_dir / STORE_FILE)],
                                       {STORE_TOKEN_ENV: store_token})
         gateway_url, gateway_token = cfg.gateway_url, token(cfg.gateway_token, GATEWAY_TOKEN_ENV, cfg)
+        admin_token = token_from(cfg.gateway_admin_token, GATEWAY_ADMIN_TOKEN_ENV)
         if gateway_url is None:
+            admin_token = admin_token or secrets.token_urlsafe(32)  # the trainer's alone: agents never see it
             gateway_url = start_service(cleanup, ctx, cfg, "gateway", ["--store", store_url, *gateway_flags(ctx)],
                                         {STORE_TOKEN_ENV: store_token, GATEWAY_TOKEN_ENV: gateway_token,
+                                         GATEWAY_ADMIN_TOKEN_ENV: admin_token,
                                          POLICY_TOKEN_ENV: rollout.gateway.upstream_token})
         check_gateway(gateway_url, gateway_token, cfg.start_timeout_s)  # a wrong URL or token fails here
         store = HttpStore(store_url, token=store_token, connect_timeout_s=cfg.start_timeout_s)
@@ -117,13 +122,14 @@ def start_runtime(ctx) -> RayRuntime:
         actors = RunnerActors(cfg, spec)
         cleanup.callback(actors.kill)
         actors.wait_ready(cfg.start_timeout_s)
-        return RayRuntime(store, gateway_url, gateway_token, actors, cleanup.pop_all())
+        return RayRuntime(store, gateway_url, gateway_token, admin_token, actors, cleanup.pop_all())
 
 
 def gateway_flags(ctx) -> list[str]:
     """``--config KEY=VALUE`` of the ``rollout.gateway`` settings but where it listens (the plugin's to choose) and
     the tokens (passed in the environment, never on a command line others can read)."""
-    settings = ctx.config.rollout.gateway.model_dump(exclude={"host", "port", "token", "upstream_token"},
+    settings = ctx.config.rollout.gateway.model_dump(exclude={"host", "port", "token", "admin_token",
+                                                              "upstream_token"},
                                                      exclude_none=True)
     return [flag for key, value in settings.items() for flag in ("--config", f"{key}={value}")]
 

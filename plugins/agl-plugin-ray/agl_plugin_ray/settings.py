@@ -41,6 +41,9 @@ class RayConfig(BaseModel):
         None, description="a running gateway service (agl serve gateway) recording into store_url; None: the "
                           "plugin starts one on this node")
     gateway_token: str | None = Field(None, description="bearer token of gateway_url (default: $AGL_GATEWAY_TOKEN)")
+    gateway_admin_token: str | None = Field(
+        None, description="admin token of gateway_url, which the trainer sets the policy with and agents never see "
+                          "(default: $AGL_GATEWAY_ADMIN_TOKEN; a gateway the plugin starts gets a fresh one)")
     services_host: str = Field(
         "127.0.0.1", description="address the services the plugin starts bind; a cluster of several machines "
                                  "needs one its nodes reach (e.g. 0.0.0.0). Off loopback they require a token: "

@@ -32,6 +32,9 @@ class SqliteConfig(BaseModel):
                                                   "record (false: delete them and their spans)")
     batch_size: int = Field(512, ge=1, description="most spans per insert transaction")
     max_pending: int = Field(20_000, ge=1, description="spans waiting for the writer before add_spans blocks")
+    max_bytes: int | None = Field(None, ge=65536, description="cap on the file's size (null: none); spans that "
+                                                               "do not fit fail their own rollouts, and writing "
+                                                               "resumes once room is freed")
 
 
 @hookimpl
@@ -49,4 +52,4 @@ def open_store(ctx) -> SqliteStore:
     cfg = ctx.plugin_config(NAME)
     path = Path(cfg.path) if cfg.path else Path(ctx.run_dir) / FILENAME
     return SqliteStore(path, batch_size=cfg.batch_size, max_pending=cfg.max_pending,
-                       keep_consumed=cfg.keep_consumed)
+                       keep_consumed=cfg.keep_consumed, max_bytes=cfg.max_bytes)

@@ -17,10 +17,23 @@ process never hands out an id again: the store service needs it, because its
 clients may still hold spans under ids it gave before it was killed.
 
 A span is written once: (rollout, attempt, sequence id) is unique in the
-file and a span whose key is already there is ignored, so that an upload
-retried after it was written (a client of the store service that lost the
-answer) duplicates nothing. Files made before that index get it when opened
-(their duplicate spans, if any, are dropped first, keeping the first written).
+file and the same span written again is ignored, so that an upload retried
+after it was written (a client of the store service that lost the answer)
+duplicates nothing; another span under a key already held is a LeaseError.
+Files made before that index get it when opened (their duplicate spans, if
+any, are dropped first, keeping the first written).
+
+Each attempt has a lease token (column ``lease``) that heartbeat, finish,
+admit and span writes must name (:class:`~agl_core.store.LeaseError`
+otherwise). Files made before leases get the column when opened (migrated in
+place, nothing else changes); an attempt running in such a file has no token,
+so its old worker cannot renew it and it is requeued when its lease runs out.
+
+Spans are checked (:func:`~agl_core.recordable.check_span`, the attempt and
+its token) when added, in the caller's thread; a batch the writer then fails
+to write (a full disk: see ``max_bytes``) is lost alone and fails its
+attempts at their ``finish`` (which waits for the writer), and the writer
+goes on with the next batch.
 
 Opening a store checks its file before anything runs (:meth:`SqliteStore.__init__`):
 a file that is not an SQLite database, a damaged or truncated one, tables of
@@ -34,6 +47,7 @@ import collections
 import contextlib
 import functools
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -41,9 +55,13 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from agl_core.data import Rollout, Span, Task
+from agl_core.recordable import check_span
 from agl_core.span_batcher import SpanBatcher
-from agl_core.store import (FAILED, QUEUING, RUNNING, TERMINAL, Attempt, AttemptState, NewRollout,
-                            lease_expired_error)
+from agl_core.store import (FAILED, QUEUING, RUNNING, TERMINAL, Attempt, AttemptState, LeaseError, Leases, NewRollout,
+                            check_lease, conflict_error, ended_error, lease_expired_error, lost_spans_error,
+                            new_lease)
+
+log = logging.getLogger("agl_plugin_sqlite")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS rollouts (
@@ -61,7 +79,8 @@ CREATE TABLE IF NOT EXISTS rollouts (
     error         TEXT,
     start_time    REAL,
     end_time      REAL,
-    consumed      INTEGER NOT NULL DEFAULT 0
+    consumed      INTEGER NOT NULL DEFAULT 0,
+    lease         TEXT                        -- the running attempt's lease token
 );
 CREATE INDEX IF NOT EXISTS rollouts_by_status ON rollouts (status, priority);
 CREATE TABLE IF NOT EXISTS spans (
@@ -113,15 +132,20 @@ class SqliteStore:
     ``add_spans`` at once, in the caller's thread and transaction, for a
     caller whose spans come in batches already (the store service, whose
     clients upload in batches): no writer thread, nothing for ``flush`` to
-    wait for.
+    wait for. ``max_bytes`` caps the file's size (SQLite's ``max_page_count``
+    on every connection): a write past it fails as on a full disk, and room
+    freed in the file (released rollouts, with ``keep_consumed=False``) is
+    written to again.
     """
 
     def __init__(self, path: str | Path, batch_size: int = 512, max_pending: int = 20_000,
                  keep_consumed: bool = True, busy_timeout_s: float = 30.0, reserve_sequence_ids: int = 0,
-                 batch_spans: bool = True):
+                 batch_spans: bool = True, max_bytes: int | None = None):
         self.path = Path(path)
         self.batch_size, self.keep_consumed = batch_size, keep_consumed
-        self.reserve_sequence_ids = reserve_sequence_ids
+        self.reserve_sequence_ids, self.max_bytes = reserve_sequence_ids, max_bytes
+        self._lost: dict[tuple[str, str], tuple[int, str]] = {}
+        """Spans accepted and then not written, by attempt: how many, and why (failed at the attempt's finish)."""
         self._busy_timeout_ms = int(busy_timeout_s * 1000)
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
@@ -144,7 +168,7 @@ class SqliteStore:
         self._writer: SpanBatcher | None = None
         if writer_connection is not None:  # the writer thread's own connection
             self._writer = SpanBatcher(functools.partial(self._insert_spans, connection=writer_connection),
-                                       self._write_failure, name="agl-sqlite-span-writer",
+                                       self._spans_lost, name="agl-sqlite-span-writer", refusals=(LeaseError,),
                                        batch_size=batch_size, max_pending=max_pending)
             self._writer.start()
 
@@ -164,6 +188,7 @@ class SqliteStore:
             _check_file(self.path)
         conn = self._connection()
         _drop_duplicate_spans(conn, self._write_lock)
+        _add_lease_column(conn, self._write_lock)
         conn.executescript(SCHEMA)
         # The write lock, taken and let go: a file or directory this process may not write fails here.
         conn.execute("BEGIN IMMEDIATE")
@@ -187,6 +212,9 @@ class SqliteStore:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
+        if self.max_bytes is not None:
+            page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+            conn.execute(f"PRAGMA max_page_count={max(1, self.max_bytes // page_size)}")
         return conn
 
     def _connection(self) -> sqlite3.Connection:
@@ -254,33 +282,52 @@ class SqliteStore:
                                           (QUEUING,)).fetchone() is not None:
                 now = time.time()
                 taken = self._write("UPDATE rollouts SET status = ?, attempts = attempts + 1, worker_id = ?, "
-                                    "lease_expires = ?, start_time = ? WHERE rollout_id = (SELECT rollout_id "
-                                    "FROM rollouts WHERE status = ? ORDER BY priority LIMIT 1) "
-                                    "RETURNING rollout_id, task, sample_index, metadata, attempts",
-                                    (RUNNING, worker_id, now + lease_s, now, QUEUING))
+                                    "lease_expires = ?, start_time = ?, lease = ? WHERE rollout_id = (SELECT "
+                                    "rollout_id FROM rollouts WHERE status = ? ORDER BY priority LIMIT 1) "
+                                    "RETURNING rollout_id, task, sample_index, metadata, attempts, lease",
+                                    (RUNNING, worker_id, now + lease_s, now, new_lease(), QUEUING))
                 row = taken[0] if taken else None
             if row is not None:
-                rollout_id, task, sample_index, metadata, attempts = row
+                rollout_id, task, sample_index, metadata, attempts, lease = row
                 return Attempt(rollout_id, str(attempts), Task.model_validate_json(task), sample_index,
-                               json.loads(metadata))
+                               json.loads(metadata), lease)
             if not self._wait_for_change(deadline):
                 return None
 
-    def heartbeat(self, rollout_id: str, attempt_id: str, lease_s: float) -> bool:
-        return bool(self._write("UPDATE rollouts SET lease_expires = ? WHERE rollout_id = ? AND status = ? "
-                                "AND attempts = ? RETURNING 1", (time.time() + lease_s, rollout_id, RUNNING,
-                                                                 _number(attempt_id))))
+    def heartbeat(self, rollout_id: str, attempt_id: str, lease_s: float, *, lease: str | None = None) -> bool:
+        if self._write("UPDATE rollouts SET lease_expires = ? WHERE rollout_id = ? AND status = ? AND attempts = ? "
+                       "AND lease = ? RETURNING 1", (time.time() + lease_s, rollout_id, RUNNING, _number(attempt_id),
+                                                     lease)):
+            return True
+        self._check_lease(rollout_id, attempt_id, lease)
+        return False
 
     def finish(self, rollout_id: str, attempt_id: str, status: str,
-               final_reward: float | None = None, error: str | None = None) -> bool:
+               final_reward: float | None = None, error: str | None = None, *, lease: str | None = None) -> bool:
         if status not in TERMINAL:
             raise ValueError(f"finish needs a terminal status ({', '.join(sorted(TERMINAL))}), got {status!r}")
+        self.flush()  # the writer has written (or lost) the attempt's spans: a loss fails it below
+        lost = self._lost.get((rollout_id, attempt_id))
+        if lost is not None:
+            status, error = FAILED, lost_spans_error(*lost) + (f"; {error}" if error else "")
         done = bool(self._write("UPDATE rollouts SET status = ?, final_reward = ?, error = ?, end_time = ? "
-                                "WHERE rollout_id = ? AND status = ? AND attempts = ? RETURNING 1",
+                                "WHERE rollout_id = ? AND status = ? AND attempts = ? AND lease = ? RETURNING 1",
                                 (status, final_reward, error, time.time(), rollout_id, RUNNING,
-                                 _number(attempt_id))))
-        self._notify()
+                                 _number(attempt_id), lease)))
+        if done:
+            self._lost.pop((rollout_id, attempt_id), None)
+            self._notify()
+        else:
+            self._check_lease(rollout_id, attempt_id, lease)
         return done
+
+    def _check_lease(self, rollout_id: str, attempt_id: str, lease: str | None) -> None:
+        """LeaseError when the attempt runs under another token than ``lease`` (a write that named it changed
+        nothing: it is not running, or the token is wrong)."""
+        row = self._connection().execute("SELECT lease FROM rollouts WHERE rollout_id = ? AND status = ? "
+                                         "AND attempts = ?", (rollout_id, RUNNING, _number(attempt_id))).fetchone()
+        if row is not None:
+            check_lease(rollout_id, attempt_id, row[0] or "", lease)
 
     def cancel(self, rollout_ids: Sequence[str] | None, reason: str) -> int:
         unfinished = f"status IN ('{QUEUING}', '{RUNNING}')"
@@ -322,16 +369,25 @@ class SqliteStore:
         return len(expired)
 
     def attempt_state(self, rollout_id: str, attempt_id: str) -> AttemptState | None:
-        row = self._connection().execute("SELECT status, attempts, metadata FROM rollouts WHERE rollout_id = ?",
-                                         (rollout_id,)).fetchone()
-        if row is None:
-            return None
-        status, attempts, metadata = row
-        return AttemptState(status, status == RUNNING and str(attempts) == attempt_id, json.loads(metadata))
+        return self._attempt(rollout_id, attempt_id)[0]
 
-    def admit(self, rollout_id: str, attempt_id: str, n: int) -> tuple[AttemptState | None, list[int]]:
-        state = self.attempt_state(rollout_id, attempt_id)
-        return state, [self.next_sequence_id(rollout_id) for _ in range(n)] if state and state.current else []
+    def _attempt(self, rollout_id: str, attempt_id: str) -> tuple[AttemptState | None, str]:
+        """The attempt's state and the rollout's lease token ("" when none)."""
+        row = self._connection().execute("SELECT status, attempts, metadata, lease FROM rollouts "
+                                         "WHERE rollout_id = ?", (rollout_id,)).fetchone()
+        if row is None:
+            return None, ""
+        status, attempts, metadata, lease = row
+        return AttemptState(status, status == RUNNING and str(attempts) == attempt_id, json.loads(metadata)), \
+            lease or ""
+
+    def admit(self, rollout_id: str, attempt_id: str, n: int, *,
+              lease: str | None = None) -> tuple[AttemptState | None, list[int]]:
+        state, held = self._attempt(rollout_id, attempt_id)
+        if not (state and state.current):
+            return state, []
+        check_lease(rollout_id, attempt_id, held, lease)
+        return state, [self.next_sequence_id(rollout_id) for _ in range(n)]
 
     # ------------------------------------------------------------ spans
 
@@ -361,21 +417,65 @@ class SqliteStore:
                                 (rollout_id,)).fetchone()
         return max(-1 if written is None else written + 1, reserved[0] if reserved else 0)
 
-    def add_spans(self, spans: Sequence[Span]) -> None:
+    def add_spans(self, spans: Sequence[Span], *, leases: Leases | None = None) -> None:
+        for span in spans:
+            check_span(span)
+        self._check_attempts(spans, leases or {})
         if self._writer is None:
             self._insert_spans(spans, self._connection())
         else:
             self._writer.put(spans)
 
-    def _insert_spans(self, spans: Sequence[Span], connection: sqlite3.Connection) -> None:
-        """One transaction on ``connection``; a span already there is kept."""
-        with _immediate(connection, self._write_lock) as conn:
-            conn.executemany("INSERT OR IGNORE INTO spans (rollout_id, attempt_id, sequence_id, kind, span) "
-                             "VALUES (?, ?, ?, ?, ?)",
-                             [(s.rollout_id, s.attempt_id, s.sequence_id, s.kind, s.model_dump_json()) for s in spans])
+    def _check_attempts(self, spans: Sequence[Span], leases: Leases) -> None:
+        """KeyError for a span of a rollout the file does not hold; LeaseError for one the store does not take:
+        not of the latest attempt, of an ended attempt under an id this process did not hand out before the end
+        (one admitted while it ran is taken), or without the attempt's token."""
+        conn = self._connection()
+        for rollout_id, attempt_id in dict.fromkeys((s.rollout_id, s.attempt_id) for s in spans):
+            row = conn.execute("SELECT status, attempts, lease FROM rollouts WHERE rollout_id = ? AND consumed = 0",
+                               (rollout_id,)).fetchone()
+            if row is None:
+                raise KeyError(f"span of a rollout the store {self.path} does not hold: {rollout_id!r}")
+            status, attempts, held = row
+            with self._sequence_lock:
+                handed_out = self._sequence.get(rollout_id, -1)
+            own = {span.sequence_id: span for span in spans if (span.rollout_id, span.attempt_id) == (rollout_id,
+                                                                                                      attempt_id)}
+            for span in own.values():
+                if not (str(attempts) == attempt_id and (status == RUNNING or span.sequence_id <= handed_out)):
+                    raise LeaseError(ended_error(span, status))
+            check_lease(rollout_id, attempt_id, held or "", leases.get((rollout_id, attempt_id)))
+            ids = list(own)
+            for start in range(0, len(ids), 500):  # spans already written: the same again, or a conflict
+                chunk = ids[start:start + 500]
+                for sequence_id, text in conn.execute(
+                        f"SELECT sequence_id, span FROM spans WHERE rollout_id = ? AND attempt_id = ? AND sequence_id "
+                        f"IN ({','.join('?' * len(chunk))})", [rollout_id, attempt_id, *chunk]):
+                    if text != own[sequence_id].model_dump_json():
+                        raise LeaseError(conflict_error(own[sequence_id]))
 
-    def _write_failure(self, error: BaseException) -> str:
-        return f"spans cannot be written to the SQLite store {self.path}: {type(error).__name__}: {error}"
+    def _insert_spans(self, spans: Sequence[Span], connection: sqlite3.Connection) -> None:
+        """One transaction on ``connection``; the same span already there is kept, another is a LeaseError (and
+        nothing is written)."""
+        rows = [(s.rollout_id, s.attempt_id, s.sequence_id, s.kind, s.model_dump_json()) for s in spans]
+        with _immediate(connection, self._write_lock) as conn:
+            before = conn.total_changes
+            conn.executemany("INSERT OR IGNORE INTO spans (rollout_id, attempt_id, sequence_id, kind, span) "
+                             "VALUES (?, ?, ?, ?, ?)", rows)
+            if conn.total_changes - before < len(rows):  # some keys were there: the same spans, or a conflict
+                for span, row in zip(spans, rows):
+                    held = conn.execute("SELECT span FROM spans WHERE rollout_id = ? AND attempt_id = ? AND "
+                                        "sequence_id = ?", row[:3]).fetchone()
+                    if held[0] != row[4]:
+                        raise LeaseError(conflict_error(span))
+
+    def _spans_lost(self, spans: list[Span], error: BaseException) -> None:
+        """The writer could not write ``spans``: their attempts fail at their finish; the writer goes on."""
+        text = f"the SQLite store {self.path} could not write them: {type(error).__name__}: {error}"
+        log.error("%d spans lost (%s); their attempts will end failed", len(spans), text)
+        for span in spans:
+            count = self._lost.get((span.rollout_id, span.attempt_id), (0, ""))[0]
+            self._lost[span.rollout_id, span.attempt_id] = (count + 1, text)
 
     def flush(self) -> None:
         if self._writer is not None:
@@ -519,9 +619,22 @@ def _check_file(path: Path) -> None:
                 raise ValueError(f"it is damaged ({'; '.join(problems)})")
         for table, columns in _schema_columns().items():
             found = _columns(conn, table)
-            if found and set(columns) - set(found):
+            missing = set(columns) - set(found) - MIGRATED_COLUMNS.get(table, set())
+            if found and missing:
                 raise ValueError(f"its table {table!r} is not a store's: it lacks the columns "
-                                 f"{', '.join(sorted(set(columns) - set(found)))}")
+                                 f"{', '.join(sorted(missing))}")
+
+
+def _add_lease_column(conn: sqlite3.Connection, lock: threading.Lock) -> None:
+    """Migrate a file made before lease tokens: its rollouts table gets the column ``lease`` (empty)."""
+    found = _columns(conn, "rollouts")
+    if found and "lease" not in found:
+        with _immediate(conn, lock):
+            conn.execute("ALTER TABLE rollouts ADD COLUMN lease TEXT")
+
+
+MIGRATED_COLUMNS = {"rollouts": {"lease"}}
+"""Columns a file of an older layout may lack: they are added when it is opened."""
 
 
 def _columns(conn: sqlite3.Connection, table: str) -> list[str]:
@@ -564,6 +677,7 @@ def _immediate(conn: sqlite3.Connection, lock: threading.Lock) -> Iterator[sqlit
         try:
             yield conn
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:  # SQLite rolls back by itself on some errors (a full disk): its error stands
+                conn.execute("ROLLBACK")
             raise
         conn.execute("COMMIT")

@@ -47,13 +47,12 @@ def test_completions_stream_too(served, client):
 def test_through_the_gateway_streamed_and_not_record_identical_spans(served):
     store = MemoryStore()
     store.enqueue([NewRollout(r, Task(id="t", input={})) for r in ("plain", "streamed")])
-    store.dequeue("w", lease_s=60)
-    store.dequeue("w", lease_s=60)
+    leases = {attempt.rollout_id: attempt.lease for attempt in (store.dequeue("w", 60), store.dequeue("w", 60))}
     server = Gateway(store, GatewayConfig(), upstreams=[served.url]).serve()
     try:
         def llm(rollout):
-            return OpenAI(base_url=Gateway.base_url(server.url, rollout, "1"), api_key="unused", max_retries=0,
-                          timeout=60)
+            return OpenAI(base_url=Gateway.base_url(server.url, rollout, "1", leases[rollout]), api_key="unused",
+                          max_retries=0, timeout=60)
 
         kwargs = dict(model="policy", messages=MESSAGES, max_tokens=6, seed=5, temperature=1.0)
         llm("plain").chat.completions.create(**kwargs)
@@ -130,10 +129,11 @@ def test_an_agent_that_leaves_mid_stream_through_the_gateway_leaves_an_incomplet
     monkeypatch.setattr(served.actor, "forward", slow)
     store = MemoryStore()
     store.enqueue([NewRollout("r1", Task(id="t", input={}))])
-    store.dequeue("w", lease_s=60)
+    lease = store.dequeue("w", lease_s=60).lease
     server = Gateway(store, GatewayConfig(), upstreams=[served.url]).serve()
     try:
-        llm = OpenAI(base_url=Gateway.base_url(server.url, "r1", "1"), api_key="unused", max_retries=0, timeout=60)
+        llm = OpenAI(base_url=Gateway.base_url(server.url, "r1", "1", lease), api_key="unused", max_retries=0,
+                     timeout=60)
         with llm.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=40, stream=True,
                                          extra_body={"ignore_eos": True}) as stream:
             for count, _ in enumerate(stream):

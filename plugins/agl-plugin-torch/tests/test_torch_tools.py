@@ -137,10 +137,10 @@ def test_tools_are_rendered_by_the_chat_template_and_a_named_choice_opens_the_ca
 def test_a_tool_call_round_trip_through_the_gateway_is_one_trajectory(served):
     store = MemoryStore()
     store.enqueue([NewRollout("r1", Task(id="t", input={}))])
-    store.dequeue("w", lease_s=60)
+    lease = store.dequeue("w", lease_s=60).lease
     server = Gateway(store, GatewayConfig(), upstreams=[served.url]).serve()
     try:
-        client = OpenAI(base_url=Gateway.base_url(server.url, "r1", "1"), api_key="unused", max_retries=0,
+        client = OpenAI(base_url=Gateway.base_url(server.url, "r1", "1", lease), api_key="unused", max_retries=0,
                         timeout=60)
         messages = [{"role": "user", "content": "guess a number"}]
         _, choice = first_call(client, messages, tool_choice="required")
