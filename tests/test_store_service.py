@@ -43,7 +43,7 @@ def serve(tmp_path):
         backing = SqliteStore(tmp_path / f"store{len(opened)}.sqlite", reserve_sequence_ids=RESERVE_SEQUENCE_IDS)
         service = StoreService(backing, token, **options)
         server = (service.server() if wrap is None else
-                  ServerThread(wrap(service.app), lean_body_limit=service.max_body_bytes)).start()
+                  ServerThread(wrap(service.app))).start()
         opened.append((server, service, backing))
         return server.url, backing
 
