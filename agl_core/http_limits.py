@@ -152,6 +152,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._in_headers = False
         self._disarm_header_timer()
         super().on_headers_complete()
+        if self.cycle is not None:
+            self.cycle.transport = _HeadWithBody(self.transport, self.loop)
 
     def on_message_complete(self) -> None:
         self._between = True
@@ -183,6 +185,39 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if status and (self.cycle is None or self.cycle.response_complete):
             self.transport.write(_answer(status, error_body(status, message)))
         self.transport.close()
+
+
+class _HeadWithBody:
+    """The transport of one answer, whose head (status line and headers: uvicorn's first write) goes out with the
+    first part of its body, in one write: a whole answer then wakes its client once, not twice. A head whose body
+    does not follow in the same turn of the event loop (a stream's first part is not ready) goes out at its end."""
+
+    __slots__ = ("_transport", "_loop", "_head", "_wrote")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop):
+        self._transport, self._loop, self._head, self._wrote = transport, loop, None, False
+
+    def write(self, data: bytes) -> None:
+        if not self._wrote:
+            self._wrote, self._head = True, data
+            self._loop.call_soon(self._flush)
+            return
+        if self._head is not None:
+            data, self._head = self._head + data, None
+        self._transport.write(data)
+
+    def _flush(self) -> None:
+        if self._head is not None:
+            head, self._head = self._head, None
+            if not self._transport.is_closing():
+                self._transport.write(head)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def protocol_with(limits: ServerLimits) -> type[LimitedHttpToolsProtocol]:
