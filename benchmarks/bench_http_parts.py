@@ -22,10 +22,15 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import os
+import signal
+import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import aiohttp
 import httpx
@@ -48,50 +53,48 @@ async def app(scope, receive, send):
 
 
 def serve(kind: str) -> None:
-    """Serve :func:`app` with ``kind`` on a free port of 127.0.0.1; print the URL; serve until stdin closes."""
+    """Serve :func:`app` with ``kind`` on a free port of 127.0.0.1, on this process's main thread; print the URL
+    first (the caller waits until it accepts connections) and serve until killed."""
     import socket
-    import threading
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    port = sock.getsockname()[1]
+    print(f"http://127.0.0.1:{port}", flush=True)
     if kind == "agl (uvicorn-httptools, limits)":
         from agl_core.http_server import ServerThread
         sock.close()
-        server = ServerThread(app).start()
-        print(server.url, flush=True)
-        sys.stdin.read()
-        return
-    if kind.startswith("uvicorn"):
+        ServerThread(app, port=port).start()
+        threading.Event().wait()
+    elif kind.startswith("uvicorn"):
         import uvicorn
-        config = uvicorn.Config(app, loop="uvloop", http="h11" if "h11" in kind else "httptools",
-                                log_level="warning", access_log=False)
-        server = uvicorn.Server(config)
-        threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-        while not server.started:
-            time.sleep(0.01)
+        uvicorn.Server(uvicorn.Config(app, loop="uvloop", http="h11" if "h11" in kind else "httptools",
+                                      log_level="warning", access_log=False)).run(sockets=[sock])
     elif kind == "hypercorn":
         import hypercorn.asyncio
         import hypercorn.config
         config = hypercorn.config.Config()
+        config.bind, config.loglevel = [f"127.0.0.1:{port}"], "warning"
         sock.close()
-        config.bind = [url.removeprefix("http://")]
-        threading.Thread(target=asyncio.run, args=(hypercorn.asyncio.serve(app, config),), daemon=True).start()
-        time.sleep(2)
+        asyncio.run(hypercorn.asyncio.serve(app, config))
     elif kind == "granian":
+        from granian import Granian
         sock.close()
-        port = url.rsplit(":", 1)[1]
-        proc = subprocess.Popen([sys.executable, "-m", "granian", "--interface", "asgi", "--host", "127.0.0.1",
-                                 "--port", port, "--workers", "1", "--log-level", "warning",
-                                 f"{__name__ if __name__ != '__main__' else 'bench_http_parts'}:app"],
-                                cwd=sys.path[0])
-        time.sleep(3)
-        print(url, flush=True)
-        sys.stdin.read()
-        proc.kill()
-        return
-    print(url, flush=True)
-    sys.stdin.read()
+        Granian("bench_http_parts:app", address="127.0.0.1", port=port, interface="asgi", workers=1,
+                log_enabled=False).serve()
+
+
+def wait_for(url: str) -> None:
+    host, port = url.removeprefix("http://").split(":")
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 async def with_aiohttp(url: str, calls: int) -> list[float]:
@@ -135,16 +138,17 @@ def main() -> None:
     kinds += [kind for kind in ("hypercorn", "granian") if importlib.util.find_spec(kind)]
     servers, clients = {}, {}
     for kind in kinds:
-        proc = subprocess.Popen([sys.executable, __file__, "--serve", kind], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen([sys.executable, __file__, "--serve", kind], stdout=subprocess.PIPE, text=True,
+                                cwd=Path(__file__).parent, start_new_session=True)  # a group: granian forks
         try:
             url = proc.stdout.readline().strip()
+            wait_for(url)
             servers[kind] = p50_us(with_aiohttp, url, args.calls)
             if kind == kinds[0]:
                 clients = {"aiohttp": servers[kind], "httpx": p50_us(with_httpx, url, args.calls)}
         finally:
-            proc.stdin.close()
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     reference = servers[kinds[0]]
     print(json.dumps({"bench": "http_parts", "calls": args.calls,
                       "server_p50_us": servers, "server_ratio_to_agl": {k: round(v / reference, 3)
