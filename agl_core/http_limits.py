@@ -119,8 +119,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 raise
             self._refuse(exc.__context__.status, str(exc.__context__))
             return
-        except httptools.HttpParserUpgrade:
-            self._refuse(400, "protocol upgrades (websockets) are not served here")
+        except httptools.HttpParserUpgrade:  # answered as plain HTTP; what follows is not HTTP: the connection ends
+            self._closing = True
+            if self.cycle is not None and not self.cycle.response_complete:
+                self.cycle.keep_alive = False
+            else:
+                self._refuse(400, "protocol upgrades (websockets) are not served here")
             return
         except httptools.HttpParserError as exc:
             self._refuse(400, f"malformed HTTP request: {exc}")

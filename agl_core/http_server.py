@@ -55,7 +55,8 @@ class ServerThread:
         # uvloop roughly halves the per-request cost; asyncio where it does not exist (Windows).
         loop = "uvloop" if sys.platform != "win32" else "asyncio"
         config = uvicorn.Config(app, loop=loop, http=protocol_with(self.limits), lifespan="auto",
-                                log_level="warning", access_log=False, timeout_keep_alive=self.limits.keep_alive_s,
+                                ws="none", server_header=False, log_level="warning", access_log=False,
+                                timeout_keep_alive=self.limits.keep_alive_s,
                                 timeout_graceful_shutdown=SHUTDOWN_S, backlog=4096)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
