@@ -87,6 +87,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._in_headers = False  # a request's header section has begun and is not complete
         self._between = True  # the next byte read is the first of a request (none is being read)
         self._header_bytes = 0
+        self._headers_began_before = False  # the header section being read began in an earlier read
         self._header_timer: asyncio.TimerHandle | None = None
         self._closing = False
 
@@ -132,7 +133,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._in_headers:
             # The bytes of this read all belong to the header section when the request began with the read;
             # a request that began after another in the same read is counted from the next read on.
-            self._header_bytes += len(data) if began_here or self._header_bytes else 0
+            if began_here or self._headers_began_before:
+                self._header_bytes += len(data)
+            self._headers_began_before = True
             if self._header_bytes > self.limits.max_header_bytes:
                 self._refuse(431, f"the request's header section exceeds {self.limits.max_header_bytes} bytes")
                 return
@@ -141,7 +144,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._in_headers, self._between, self._header_bytes = True, False, 0
+        self._in_headers, self._between, self._header_bytes, self._headers_began_before = True, False, 0, False
         if self._header_timer is None:
             self._arm_header_timer()
 

@@ -5,6 +5,7 @@ limits served as uvicorn serves them, those past them refused. (tests/faults/tes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import socket
 import threading
@@ -102,3 +103,18 @@ def test_connections_past_the_cap_are_answered_503_and_closed(server):
 def test_the_open_file_limit_is_raised_to_the_hard_limit():
     import resource
     assert raise_fd_limit() == resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+
+
+def test_an_endless_header_line_of_a_request_pipelined_behind_another_is_refused(server):
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"GET /echo?first HTTP/1.1\r\nHost: x\r\n\r\nGET /echo HTTP/1.1\r\nX-Endless: ")
+        sent = 0
+        sock.settimeout(5)
+        with contextlib.suppress(OSError):  # the server closes it: a reset, or a send that no longer goes through
+            while sent < 16 * 2**20:
+                sent += sock.send(b"a" * 65536)
+        assert sent < 16 * 2**20
+        answers = b""
+        with contextlib.suppress(OSError):
+            answers = read_all(sock)
+    assert answers == b"" or (answers.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 431" in answers), answers[:300]
