@@ -49,6 +49,9 @@ class Upstreams:
         return urls[zlib.crc32(rollout_id.encode()) % len(urls)]
 
 
+_DRAINING: set[asyncio.Task] = set()
+
+
 class UpstreamError(Exception):
     """A call that got no usable answer: the server refused the connection, reset or closed it, or did not speak
     HTTP."""
@@ -110,7 +113,9 @@ class Response:
         connection goes back to the pool, as it does at once for an answer read to its end; without ``drain``, an
         unfinished answer's connection is closed."""
         if drain and not self._response.content.at_eof():
-            asyncio.get_running_loop().create_task(self._drain())
+            task = asyncio.get_running_loop().create_task(self._drain())
+            _DRAINING.add(task)  # the loop keeps only a weak reference to a task
+            task.add_done_callback(_DRAINING.discard)
         else:
             self._response.release()
 
