@@ -387,7 +387,8 @@ class StoreService:
         path, verb = scope["path"], scope["method"]
         if path.startswith(PREFIX) and verb == "POST":
             status, content = await self._call(scope, receive, path[len(PREFIX):])
-            await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [*JSON_HEADERS, (b"content-length", b"%d" % len(content))]})
             await send({"type": "http.response.body", "body": content})
             return
         if path == "/healthz" and verb == "GET":
