@@ -184,6 +184,8 @@ def _service_flags(parser: argparse.ArgumentParser, token_env: str) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind; anything but loopback needs a token")
     parser.add_argument("--port", type=int, default=0, help="port to bind (0: a free one; the URL is printed)")
     parser.add_argument("--token", help=f"bearer token callers must send (default: ${token_env})")
+    parser.add_argument("--max-connections", type=int, default=1024,
+                        help="connections served at once; one more is answered 503 and closed (docs/reliability.md)")
 
 
 def cmd_train(args) -> int:

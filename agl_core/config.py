@@ -172,6 +172,11 @@ class GatewayConfig(Section):
     max_retries: int = Field(3, ge=0, description="retries of a policy call answered 429/5xx or refused")
     retry_backoff_s: float = Field(0.1, ge=0, description="first retry delay; doubles with each retry")
     upstream_timeout_s: float = Field(600.0, gt=0, description="time allowed for one policy call")
+    max_upstream_bytes: int = Field(64 * 2**20, ge=1024,
+                                    description="most bytes of one policy server's answer (whole or streamed); a "
+                                                "longer one is cut there and the call fails with 502")
+    max_connections: int = Field(1024, ge=1, description="connections the gateway holds at once; one more is "
+                                                         "answered 503 and closed")
 
 
 class RolloutConfig(Section):

@@ -2,15 +2,17 @@
 
 The gateway and the test policy endpoint run next to the trainer this way.
 Binding the socket here (port 0: the OS picks a free port) makes the URL known
-before the server starts, so callers never race for a port.
+before the server starts, so callers never race for a port. Every server of
+the project runs this way (uvicorn on uvloop and httptools), with the limits
+of :mod:`agl_core.http_limits` on what one client may hold.
 """
 
 from __future__ import annotations
 
 import errno
-import importlib.util
 import signal
 import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -18,19 +20,15 @@ from typing import Any
 import uvicorn
 
 from agl_core.config import ConfigError
-from agl_core.lean_server import LeanServer
+from agl_core.http_limits import ServerLimits, protocol_with, raise_fd_limit
 
-
-def _fastest(module: str, fallback: str) -> str:
-    # uvloop and httptools roughly halve the per-request cost; h11/asyncio work everywhere.
-    return module if importlib.util.find_spec(module) else fallback
+SHUTDOWN_S = 10
+"""How long a stopping server waits for the requests in flight before it cancels them."""
 
 
 class ServerThread:
-    """A uvicorn server for ``app`` on ``host:port``, run by a daemon thread.
-
-    With ``lean_body_limit`` (bytes) the server is :class:`~agl_core.lean_server.LeanServer`
-    instead, for services of small requests (the store service), with bodies up to that size.
+    """A uvicorn server for ``app`` on ``host:port``, run by a daemon thread, within ``limits``
+    (:class:`~agl_core.http_limits.ServerLimits`: connections, header bytes and seconds, keep-alive).
 
     ``start()`` returns once the server accepts connections (or raises after
     ``timeout_s``); ``stop()`` asks it to exit and joins the thread. An address
@@ -40,8 +38,10 @@ class ServerThread:
     """
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, name: str = "agl-http", *,
-                 setting: str | None = None, lean_body_limit: int | None = None):
+                 setting: str | None = None, limits: ServerLimits | None = None):
         self.host, self.name = host, name
+        self.limits = limits or ServerLimits()
+        raise_fd_limit()
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -52,13 +52,13 @@ class ServerThread:
             hint = "; choose another port (0: any free one)" if exc.errno == errno.EADDRINUSE else ""
             raise ConfigError(f"{key}{name} cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None
         self.port: int = self._socket.getsockname()[1]
-        if lean_body_limit is not None:
-            self._server = LeanServer(app, max_body_bytes=lean_body_limit, loop=_fastest("uvloop", "asyncio"))
-        else:
-            config = uvicorn.Config(app, loop=_fastest("uvloop", "asyncio"), http=_fastest("httptools", "h11"),
-                                    lifespan="on", log_level="warning", access_log=False,
-                                    timeout_keep_alive=60, backlog=4096)
-            self._server = uvicorn.Server(config)
+        # uvloop roughly halves the per-request cost; asyncio where it does not exist (Windows).
+        loop = "uvloop" if sys.platform != "win32" else "asyncio"
+        config = uvicorn.Config(app, loop=loop, http=protocol_with(self.limits), lifespan="auto",
+                                ws="none", server_header=False, log_level="warning", access_log=False,
+                                timeout_keep_alive=self.limits.keep_alive_s,
+                                timeout_graceful_shutdown=SHUTDOWN_S, backlog=4096)
+        self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._error: BaseException | None = None
 

@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from agl_core.data import Span
+from typing import Any, Protocol
 
 MAX_REQUEST_DEPTH = 128
 """The deepest nesting a request body may have (the body itself is level 1)."""
@@ -85,7 +82,18 @@ def deep_path(raw: str, max_depth: int) -> str | None:
 _TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[{}\[\],:]')
 
 
-def check_span(span: Span) -> None:
+class _SpanFields(Protocol):
+    """What :func:`check_span` reads of an :class:`agl_core.data.Span` (named here so that this module, which the
+    HTTP rules use, stands below the data model)."""
+
+    kind: str
+    attributes: dict[str, Any]
+    sequence_id: int
+    rollout_id: str
+    attempt_id: str
+
+
+def check_span(span: _SpanFields) -> None:
     """NotRecordable naming the span (rollout, attempt, sequence id) and the path of what it cannot hold."""
     try:
         # A span's own fields are typed (ids, numbers, token lists); only its free-form JSON needs a look.

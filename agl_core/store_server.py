@@ -97,8 +97,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
 from agl_core.data import Span, Task
+from agl_core.http_limits import ServerLimits
 from agl_core.http_rules import (RequestError, check_authorization, error_body, error_response, health_response,
-                                 parse_json_object, require_token_off_loopback, token_from)
+                                 parse_json_object, read_body, require_token_off_loopback, token_from)
 from agl_core.http_server import ServerThread, stop_on_signals
 from agl_core.recordable import MAX_SPAN_DEPTH
 from agl_core.store import FAILED, SUCCEEDED, TIMED_OUT, AttemptState, LeaseError, NewRollout, Store, lost_spans_error
@@ -111,9 +112,10 @@ LONG_POLL_S = 5.0
 THREADS = 256
 """Store calls running at once (long polls included)."""
 MAX_BODY_BYTES = 64 * 2**20
+BODY_TIMEOUT_S = 60.0
+"""The longest a client may take to send a request's body (408 after)."""
 RESERVE_SEQUENCE_IDS = 256
 PREFIX = "/v1/store/"
-PREFIX_BYTES = PREFIX.encode()
 WAITING_METHODS = {"dequeue": "wait_s", "wait": "timeout_s"}
 """Methods that may wait (long polls), and the field that says how long: they wait on the pool."""
 SPAN_WAIT_S = 5.0
@@ -397,36 +399,24 @@ class StoreService:
     :meth:`close` waits for the store calls in flight; the caller closes the store.
     """
 
-    def __init__(self, store: Store, token: str | None = None, *, max_body_bytes: int = MAX_BODY_BYTES):
+    def __init__(self, store: Store, token: str | None = None, *, max_body_bytes: int = MAX_BODY_BYTES,
+                 body_timeout_s: float = BODY_TIMEOUT_S, limits: ServerLimits | None = None):
         self.store, self.token, self.max_body_bytes = store, token, max_body_bytes
+        self.body_timeout_s, self.limits = body_timeout_s, limits or ServerLimits()
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="agl-store")
         self._awaited = _AwaitedSpans()
         self.app = self
 
-    def answer_now(self, verb: str, target: bytes, headers: list[tuple[bytes, bytes]],
-                   raw: bytes) -> tuple[int, bytes] | None:
-        """The lean server's fast path (:mod:`agl_core.lean_server`): ``(status, JSON answer)`` of a store call that
-        is answered without waiting, at once on the loop; None for any other request, which then comes through the
-        ASGI app: a long poll that finds nothing yet, a ``finish`` whose last spans are on their way, another route,
-        a target with a query or quoted characters (the ASGI way decodes it).
-        """
-        if verb != "POST" or not target.startswith(PREFIX_BYTES) or b"%" in target or b"?" in target:
-            return None
-        method = target[len(PREFIX_BYTES):].decode("latin-1")
-        try:
-            body = self._checked(method, headers, raw)
-            answer = self._run_now(method, body)
-        except Exception as exc:  # noqa: BLE001 - each kind of failure has its answer
-            return _refusal(method, exc)
-        return None if answer is None else (200, _json(answer))
-
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """The ASGI app (HTTP only: it has nothing to set up). Two routes, so no router, and no request or response
         objects on the store's route: Starlette's stack cost more than the store call."""
+        if scope["type"] != "http":
+            return
         path, verb = scope["path"], scope["method"]
         if path.startswith(PREFIX) and verb == "POST":
             status, content = await self._call(scope, receive, path[len(PREFIX):])
-            await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [*JSON_HEADERS, (b"content-length", b"%d" % len(content))]})
             await send({"type": "http.response.body", "body": content})
             return
         if path == "/healthz" and verb == "GET":
@@ -439,7 +429,7 @@ class StoreService:
     async def _call(self, scope: dict[str, Any], receive: Any, method: str) -> tuple[int, bytes]:
         """(status, JSON answer) of a store method."""
         try:
-            body = self._checked(method, scope["headers"], await self._read(receive))
+            body = self._checked(method, scope["headers"], await self._read(scope, receive))
             answer = self._run_now(method, body)
             if answer is None:
                 answer = await self._run_waiting(method, body)
@@ -489,21 +479,10 @@ class StoreService:
         self._keep_books(method, body, answer)
         return answer
 
-    async def _read(self, receive: Any) -> bytes:
-        """The request body. The lean server read it whole, within its size and time limits, before calling; the
-        size is checked again for an ASGI server that does not bound it (the app mounted elsewhere)."""
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise RequestError(400, "the client disconnected before sending the whole body")
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_body_bytes:
-                raise RequestError(413, f"request body exceeds {self.max_body_bytes} bytes (the store service's "
-                                        f"body limit)")
-            if not message.get("more_body"):
-                return b"".join(chunks)
+    async def _read(self, scope: dict[str, Any], receive: Any) -> bytes:
+        """The request body, within the service's size (413) and time (408) limits."""
+        return await read_body(Request(scope, receive), self.max_body_bytes, "the store service's body limit",
+                               self.body_timeout_s)
 
     def _keep_books(self, method: str, body: Any, answer: dict[str, Any] | bytes) -> None:
         """Note the calls admitted and the spans arrived; forget released or cancelled rollouts."""
@@ -515,9 +494,8 @@ class StoreService:
             self._awaited.forget(body.rollout_ids)
 
     def server(self, host: str = "127.0.0.1", port: int = 0, *, setting: str | None = None) -> ServerThread:
-        """A server of this service on ``host:port``, to start (the lean server: requests are small and many)."""
-        return ServerThread(self.app, host, port, name="the store service", setting=setting,
-                            lean_body_limit=self.max_body_bytes)
+        """A server of this service on ``host:port``, to start."""
+        return ServerThread(self.app, host, port, name="the store service", setting=setting, limits=self.limits)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -539,7 +517,7 @@ def main(args) -> int:
     require_token_off_loopback("the store service", args.host, token, f"--token (or ${TOKEN_ENV})")
     store = SqliteStore(args.db, reserve_sequence_ids=RESERVE_SEQUENCE_IDS, batch_spans=False)
     stop = stop_on_signals()
-    service = StoreService(store, token)
+    service = StoreService(store, token, limits=ServerLimits(max_connections=args.max_connections))
     try:
         server = service.server(args.host, args.port, setting="--port")
         try:

@@ -19,8 +19,8 @@
    (the issue's stages), through :class:`~agl_core.store_client.HttpStore`
    against ``agl serve store`` (a client for each role: trainer, runner,
    gateway) vs :class:`~agl_plugin_sqlite.SqliteStore` in this process
-   (shared by the roles), alternating blocks. Goal: at most 2 ms more at
-   p50. Each rollout is then released, timed apart (``release`` and
+   (shared by the roles), alternating blocks. Goal: at most 3 ms more at
+   p50 (issue 37: the service on uvicorn, not on hand-written protocol code). Each rollout is then released, timed apart (``release`` and
    ``p50_with_release_ms``): the issue does not count it, and the trainer
    releases a step's rollouts in one call.
 3. With ``--recipes`` (long: two trainings of ``--steps`` steps): the default
@@ -30,6 +30,7 @@
 Prints one JSON line.
 
     python benchmarks/bench_runners.py [--rollouts 96] [--rounds 3] [--workers 16] [--store-rollouts 400] [--recipes]
+    python benchmarks/bench_runners.py --store-only   # phase 2 alone
 """
 
 from __future__ import annotations
@@ -295,6 +296,7 @@ def main() -> None:
     parser.add_argument("--store-rollouts", type=int, default=400, help="rollouts per store")
     parser.add_argument("--recipes", action="store_true", help="also train the default game on both recipes (long)")
     parser.add_argument("--steps", type=int, default=40, help="steps of each training with --recipes")
+    parser.add_argument("--store-only", action="store_true", help="measure the store service's latency alone")
     args = parser.parse_args()
     endpoint = subprocess.Popen([sys.executable, "-m", "agl_core.testing_endpoint", "--port", "0"],
                                 stdout=subprocess.PIPE, text=True)
@@ -305,15 +307,15 @@ def main() -> None:
             # The latency phase first: the Ray cluster of the throughput phase takes a while to wind down, and
             # its processes' work would land in a figure of fractions of a millisecond.
             latency = store_latency(tmp, args.store_rollouts)
-            line = {"bench": "runners",
-                    "throughput": throughput(endpoint_url, tmp / "throughput", args.rollouts, args.rounds,
-                                             calibrate(WORK_MS), args.workers),
-                    "store_latency": latency}
+            line = {"bench": "runners", "store_latency": latency}
+            if not args.store_only:
+                line["throughput"] = throughput(endpoint_url, tmp / "throughput", args.rollouts, args.rounds,
+                                                calibrate(WORK_MS), args.workers)
             if args.recipes:
                 line["recipes"] = recipes(tmp, args.steps)
     finally:
         endpoint.kill()
-    line["targets"] = {"ray_vs_threads_min": 1.5, "store_added_p50_ms_max": 2.0}
+    line["targets"] = {"ray_vs_threads_min": 1.5, "store_added_p50_ms_max": 3.0}
     print(json.dumps(line))
 
 

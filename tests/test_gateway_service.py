@@ -102,6 +102,7 @@ def test_a_gateway_that_does_not_answer_is_retried_then_named(caplog):
 @pytest.mark.parametrize("items, named", [
     (["max_n"], "--config 'max_n' is not of the form KEY=VALUE"),
     (["port=1"], "--config 'port=1': set port with --port"),
+    (["max_connections=5"], "--config 'max_connections=5': set max_connections with --max-connections"),
     (["nope=1"], "--config 'nope=1': unknown gateway setting 'nope' (allowed: max_body_bytes,"),
     (["max_n=zero"], "--config max_n=zero: Input should be a valid integer"),
 ])
@@ -112,5 +113,7 @@ def test_bad_gateway_settings_name_the_item(items, named):
 
 
 def test_gateway_settings_from_flags_and_config_items():
-    config = gateway_config(["max_n=16", "upstream_timeout_s=2.5"], host="127.0.0.1", port=0, token="t")
+    config = gateway_config(["max_n=16", "upstream_timeout_s=2.5", "max_upstream_bytes=4096"], host="127.0.0.1",
+                            port=0, token="t", max_connections=7)
     assert (config.max_n, config.upstream_timeout_s, config.token) == (16, 2.5, "t")
+    assert (config.max_upstream_bytes, config.max_connections) == (4096, 7)

@@ -20,13 +20,13 @@ PACKAGE = REPO / "agl_core"
 ROOMS: list[tuple[str, list[str], set[str]]] = [
     # (room, its modules and packages, the rooms it may import)
     ("algorithms", ["agl_core.algorithms"], set()),
-    ("http rules", ["agl_core.http_rules"], set()),
+    ("http rules", ["agl_core.http_rules", "agl_core.recordable"], set()),
     ("contract", ["agl_core.data", "agl_core.lazy_import", "agl_core.hookspecs", "agl_core.plugins",
                   "agl_core.config", "agl_core.components", "agl_core.context", "agl_core.wiring",
                   "agl_core.timing", "agl_core.stop", "agl_core.batching", "agl_core.balance", "agl_core.metrics",
                   "agl_core.checkpoint", "agl_core.run_dir"], {"algorithms", "http rules"}),
     # agl_core.http and agl_core.rollout: the packages of the layout (issue 43), their modules listed by name too
-    ("http serving", ["agl_core.http", "agl_core.http_server", "agl_core.lean_server"], {"http rules", "contract"}),
+    ("http serving", ["agl_core.http", "agl_core.http_server", "agl_core.http_limits"], {"http rules", "contract"}),
     ("rollout", ["agl_core.rollout", "agl_core.agents", "agl_core.store", "agl_core.tasks", "agl_core.runner", "agl_core.store_client",
                  "agl_core.store_server", "agl_core.span_batcher", "agl_core.staleness"],
      {"http rules", "contract", "http serving"}),

@@ -16,6 +16,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -43,7 +44,7 @@ def serve(tmp_path):
         backing = SqliteStore(tmp_path / f"store{len(opened)}.sqlite", reserve_sequence_ids=RESERVE_SEQUENCE_IDS)
         service = StoreService(backing, token, **options)
         server = (service.server() if wrap is None else
-                  ServerThread(wrap(service.app), lean_body_limit=service.max_body_bytes)).start()
+                  ServerThread(wrap(service.app))).start()
         opened.append((server, service, backing))
         return server.url, backing
 
@@ -194,6 +195,33 @@ def test_a_body_over_the_limit_is_refused_with_413(serve):
     answer = post(url, "enqueue", body)
     assert answer.status_code == 413 and "exceeds 1024 bytes" in answer.json()["error"]["message"]
     assert backing.query() == []
+
+
+def test_a_trickling_body_is_answered_408_and_others_are_served_meanwhile(serve):
+    url, backing = serve(body_timeout_s=0.5)
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as slow:
+        slow.sendall(b"POST /v1/store/query HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        assert post(url, "query", {}).status_code == 200  # served while the slow body is still due
+        answer = slow.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 408") and b"not received within 0.5 s" in answer
+
+
+def test_stopping_the_server_lets_the_request_in_flight_finish(tmp_path):
+    backing = SqliteStore(tmp_path / "store.sqlite", reserve_sequence_ids=RESERVE_SEQUENCE_IDS)
+    service = StoreService(backing)
+    server = service.server().start()
+    answers = []
+    poll = threading.Thread(target=lambda: answers.append(post(server.url, "dequeue", {
+        "worker_id": "w", "lease_s": 10, "wait_s": 1.0})))
+    poll.start()
+    time.sleep(0.3)  # the long poll is waiting at the service
+    server.stop()
+    poll.join(10)
+    service.close()
+    backing.close()
+    assert [answer.status_code for answer in answers] == [200]
+    assert answers[0].json() == {"attempt": None}
 
 
 @pytest.mark.parametrize(("method", "body", "status", "message"), [

@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -48,15 +49,16 @@ from agl_core.data import Span
 from agl_core.gateway.api_routes import TranslatedApis
 from agl_core.gateway.capture import CHAT, COMPLETIONS, Captured, ask_for_tokens, capture, without_token_fields
 from agl_core.gateway.client import ADMIN_POLICY, ADMIN_TOKEN_ENV, TOKEN_ENV
-from agl_core.gateway.http_client import HttpClient
 from agl_core.gateway.streaming import (EVENT_STREAM, CallStream, EventStreamResponse, check_stream_fields,
                                        chunks_of, dumps, include_usage, one_batch, sse_batches)
 from agl_core.gateway.tools import check_tools
-from agl_core.gateway.upstream import Forwarded, Opened, Upstreams, open_with_retries, post_with_retries
+from agl_core.gateway.upstream import (Forwarded, Opened, Upstreams, open_with_retries, post_with_retries,
+                                      read_whole, upstream_session)
 from agl_core.gateway.weight_sync import CallGate
 from agl_core.http_rules import (INT64_MAX, RequestError, check_bearer, check_sampling, error_response,
                                  health_response, integer, parse_json_object, policy_token, read_body,
                                  require_token_off_loopback, token_from)
+from agl_core.http_limits import ServerLimits
 from agl_core.http_server import ServerThread
 from agl_core.recordable import NotRecordable
 from agl_core.store import AttemptState, LeaseError, Store
@@ -119,7 +121,7 @@ class Gateway:
         self.weight_version: int | None = None
         self.calls = CallGate()  # paused around weight syncs
         self._store_failed = False  # logged once: every later call would say the same
-        self._upstream_client: HttpClient | None = None
+        self._upstream_client: aiohttp.ClientSession | None = None
         self.translated = TranslatedApis(self)  # /v1/messages and /v1/responses, over self.call
         self.app = Starlette(
             routes=[Route(f"{PREFIX}/chat/completions", self._chat, methods=["POST"]),
@@ -133,7 +135,8 @@ class Gateway:
     def serve(self) -> ServerThread:
         """Start serving on ``config.host:config.port``; the returned server knows its URL."""
         return ServerThread(self.app, self.config.host, self.config.port, name="agl-gateway",
-                            setting="rollout.gateway.port").start()
+                            setting="rollout.gateway.port",
+                            limits=ServerLimits(max_connections=self.config.max_connections)).start()
 
     @staticmethod
     def base_url(server_url: str, rollout_id: str, attempt_id: str, lease: str) -> str:
@@ -143,7 +146,8 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette):
         headers = {"Authorization": f"Bearer {self.upstream_token}"} if self.upstream_token else None
-        self._upstream_client = HttpClient(self.config.upstream_timeout_s, headers)
+        self._upstream_client = upstream_session(self.config.upstream_timeout_s, self.config.max_connections,
+                                                 headers)
         try:
             yield
         finally:
@@ -248,8 +252,8 @@ class Gateway:
                 url = f"{upstream}/{endpoint.replace('.', '/')}"
                 payload = json.dumps(self._upstream_body(endpoint, body, state, rollout_id, attempt_id,
                                                          sequence_ids[0])).encode()
-                forwarded = await post_with_retries(self._upstream_client, url, payload,
-                                                    self.config.max_retries, self.config.retry_backoff_s)
+                forwarded = await post_with_retries(self._upstream_client, url, payload, self.config.max_retries,
+                                                    self.config.retry_backoff_s, self.config.max_upstream_bytes)
         common = self._span_attributes(endpoint, upstream, forwarded.status, forwarded.tries, state, weight_version)
         spans, response = _spans(rollout_id, attempt_id, sequence_ids, endpoint, body, forwarded, common,
                                  start, time.time())
@@ -299,11 +303,11 @@ class Gateway:
                 upstream_body = self._upstream_body(endpoint, body, state, rollout_id, attempt_id, sequence_ids[0])
                 upstream_body["stream"] = True
                 opened = await open_with_retries(self._upstream_client, url, json.dumps(upstream_body).encode(),
-                                                 self.config.max_retries, self.config.retry_backoff_s)
+                                                 self.config.max_retries, self.config.retry_backoff_s,
+                                                 self.config.max_upstream_bytes)
             if isinstance(opened, Opened) and opened.response.content_type != EVENT_STREAM:
                 # The upstream answered the stream request whole: read it; it is streamed back in chunks.
-                async with opened.response as whole:
-                    opened = Forwarded(whole.status, await whole.read(), opened.tries)
+                opened = await read_whole(opened, url)
         except BaseException:
             await held.aclose()
             raise

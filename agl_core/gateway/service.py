@@ -23,7 +23,7 @@ from agl_core.http_server import stop_on_signals
 
 STORE_CONNECT_TIMEOUT_S = 60.0
 """How long the gateway waits at start-up for its store service to answer."""
-FLAGGED = ("host", "port", "token")
+FLAGGED = ("host", "port", "token", "max_connections")
 """Gateway settings with flags of their own, refused in ``--config``."""
 FROM_ENVIRONMENT = {"admin_token": ADMIN_TOKEN_ENV}
 """Gateway settings read from the environment only (a command line is readable by other users)."""
@@ -34,7 +34,8 @@ def main(args) -> int:
     from agl_core.store_client import TOKEN_ENV as STORE_TOKEN_ENV
     from agl_core.store_client import HttpStore
 
-    config = gateway_config(args.config, host=args.host, port=args.port, token=args.token)
+    config = gateway_config(args.config, host=args.host, port=args.port, token=args.token,
+                            max_connections=args.max_connections)
     require_token_off_loopback("the gateway", config.host, token_from(config.token, TOKEN_ENV),
                                f"--token (or ${TOKEN_ENV})")
     stop = stop_on_signals()
@@ -61,7 +62,7 @@ def gateway_config(items: list[str], **flags: Any) -> GatewayConfig:
         if not sep:
             raise ConfigError(f"--config {item!r} is not of the form KEY=VALUE (e.g. --config max_n=16)")
         if key in FLAGGED:
-            raise ConfigError(f"--config {item!r}: set {key} with --{key}")
+            raise ConfigError(f"--config {item!r}: set {key} with --{key.replace('_', '-')}")
         if key in FROM_ENVIRONMENT:
             raise ConfigError(f"--config {key}=...: set {key} in ${FROM_ENVIRONMENT[key]} (a command line is "
                               f"readable by other users)")
@@ -74,5 +75,5 @@ def gateway_config(items: list[str], **flags: Any) -> GatewayConfig:
     except ValidationError as exc:
         err = exc.errors()[0]
         name = str(err["loc"][0])
-        where = f"--{name}" if name in FLAGGED else f"--config {name}={settings.get(name)}"
+        where = f"--{name.replace('_', '-')}" if name in FLAGGED else f"--config {name}={settings.get(name)}"
         raise ConfigError(f"{where}: {err['msg']}") from None

@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 
 from agl_core.gateway.capture import CHAT
-from agl_core.gateway.http_client import Response, UpstreamError
+from agl_core.gateway.upstream import Response, UpstreamError, UpstreamTooLarge
 from agl_core.http_rules import RequestError
 
 yield_core = getattr(os, "sched_yield", lambda: None)
@@ -304,7 +304,7 @@ class CallStream:
     :attr:`ended` says whether the upstream's stream reached its end (else
     the consumer stopped early: the call is incomplete) and :attr:`error` why
     it broke off, if it did. ``release(drain=...)`` (:meth:`Response.release
-    <agl_core.gateway.http_client.Response.release>`) lets the upstream
+    <agl_core.gateway.upstream.Response.release>`) lets the upstream
     connection go: an unfinished upstream stops generating, one whose stream
     ended keeps its connection for the next call.
     """
@@ -348,6 +348,9 @@ class CallStream:
             return []
         except TimeoutError:
             self.error = "the policy server did not finish its stream in time"
+            return []
+        except UpstreamTooLarge as exc:
+            self.error = f"the policy server's stream was cut: {exc}"
             return []
         except UpstreamError as exc:
             self.error = f"the policy server broke off its stream: {exc}"

@@ -127,11 +127,12 @@ def start_runtime(ctx) -> RayRuntime:
 
 def gateway_flags(ctx) -> list[str]:
     """``--config KEY=VALUE`` of the ``rollout.gateway`` settings but where it listens (the plugin's to choose) and
-    the tokens (passed in the environment, never on a command line others can read)."""
-    settings = ctx.config.rollout.gateway.model_dump(exclude={"host", "port", "token", "admin_token",
-                                                              "upstream_token"},
-                                                     exclude_none=True)
-    return [flag for key, value in settings.items() for flag in ("--config", f"{key}={value}")]
+    the tokens (passed in the environment, never on a command line others can read); ``--max-connections``."""
+    gateway = ctx.config.rollout.gateway
+    settings = gateway.model_dump(exclude={"host", "port", "token", "admin_token", "upstream_token", "max_connections"},
+                                  exclude_none=True)
+    return [*(flag for key, value in settings.items() for flag in ("--config", f"{key}={value}")),
+            "--max-connections", str(gateway.max_connections)]
 
 
 def connect(cfg: RayConfig) -> bool:

@@ -57,6 +57,7 @@ from agl_core.gateway.streaming import EVENT_STREAM
 from agl_core.http_rules import (POLICY_TOKEN_ENV, RequestError, check_bearer, check_sampling, error_response,
                                  health_response, parse_json_object, policy_token, read_body,
                                  require_token_off_loopback)
+from agl_core.http_limits import ServerLimits
 from agl_core.http_server import ServerThread
 
 from agl_plugin_torch.engine import Engine, Generated
@@ -124,7 +125,8 @@ class PolicyServer:
     def serve(self) -> ServerThread:
         """Start serving on ``config.host:config.port``; clients use ``server.url + "/v1"``."""
         return ServerThread(self.app, self.config.host, self.config.port, name="agl-torch-policy",
-                            setting="plugins.torch.serving.port").start()
+                            setting="plugins.torch.serving.port",
+                            limits=ServerLimits(max_connections=self.config.max_connections)).start()
 
     # ------------------------------------------------------------ endpoints
 

@@ -108,6 +108,8 @@ class ServingConfig(_Section):
     max_body_bytes: int = Field(8 * 2**20, ge=1024, description="larger request bodies are refused with 413")
     body_timeout_s: float = Field(30.0, gt=0, description="time a client may take to send a request body; "
                                                           "a slower one is answered 408")
+    max_connections: int = Field(1024, ge=1, description="connections the endpoint holds at once; one more is "
+                                                         "answered 503 and closed")
     max_batch_rows: int = Field(256, ge=1, description="most sequences generated together; also the most "
                                                        "choices (n) one request may ask for")
     batch_wait_ms: float = Field(2.0, ge=0, description="after a request arrives, wait this long for others "
