@@ -169,6 +169,13 @@ class GatewayConfig(Section):
     max_retries: int = Field(3, ge=0, description="retries of a policy call answered 429/5xx or refused")
     retry_backoff_s: float = Field(0.1, ge=0, description="first retry delay; doubles with each retry")
     upstream_timeout_s: float = Field(600.0, gt=0, description="time allowed for one policy call")
+    exact_contexts: bool = Field(True, description="send a chat call that continues an earlier call of the attempt "
+                                                   "(its messages, its reply unchanged, new messages) upstream as "
+                                                   "that call's exact token ids plus the new messages' ids, so the "
+                                                   "tokens trained are the tokens sampled (docs/rollout.md)")
+    tokenizer: str | None = Field(None, description="local directory of the policy's tokenizer, whose chat template "
+                                                    "renders the new messages of exact contexts (default: the "
+                                                    "directory the policy server lists as its model's root)")
 
 
 class RolloutConfig(Section):

@@ -315,6 +315,18 @@ def cancel_abandoned(store: Store, run_id: str | None) -> int:
     return store.cancel(mine, "abandoned: the trainer that queued it stopped") if mine else 0
 
 
+def context_metrics(rollouts: list[Rollout]) -> dict[str, float]:
+    """How the gateway made the prompts of the step's chat calls (agl_core.gateway.contexts): ``exact`` (an
+    earlier call's token ids continued) and ``rebuilt`` (sent as text though earlier calls exist); counts of calls."""
+    counts = {"exact": 0, "rebuilt": 0}
+    for rollout in rollouts:
+        for span in rollout.spans:
+            kind = span.attributes.get("context") if span.kind == "llm_call" else None
+            if kind in counts:
+                counts[kind] += 1
+    return {"rollout/n_context_exact": float(counts["exact"]), "rollout/n_context_rebuilt": float(counts["rebuilt"])}
+
+
 def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     """``rollout/…`` metrics of a step: counts by outcome, retries, and latency percentiles (seconds)."""
     metrics = {
@@ -323,6 +335,7 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
         "rollout/n_failed": float(sum(r.status == FAILED for r in rollouts)),
         "rollout/n_timed_out": float(sum(r.status == TIMED_OUT for r in rollouts)),
         "rollout/n_retried": float(sum(r.attempts > 1 for r in rollouts)),
+        **context_metrics(rollouts),
     }
     latencies = [r.end_time - r.start_time for r in rollouts if r.start_time is not None and r.end_time is not None]
     if latencies:
