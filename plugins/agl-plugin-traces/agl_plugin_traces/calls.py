@@ -36,6 +36,8 @@ class Call:
     turn: int
     reward: float | None = None
     agent_name: str | None = None
+    context: str | None = None  # how the gateway made the prompt (agl_core.gateway.contexts), and why
+    context_reason: str | None = None
 
 
 @dataclass
@@ -148,8 +150,9 @@ def rollout_calls(rollout: Rollout, counts: TraceCounts) -> list[Call]:
         logprobs = span.response_logprobs
         if logprobs is not None and type(logprobs) is not LogProbs:
             logprobs = LogProbs(logprobs)
-        calls.append(Call(prompt, response, logprobs, turn, None,
-                          attributes.get("agent_name") if attributes else None))
+        calls.append(Call(prompt, response, logprobs, turn, None, *(
+            (attributes.get("agent_name"), attributes.get("context"), attributes.get("context_reason"))
+            if attributes else ())))
 
     if rewards:
         sequence_ids = [s.sequence_id for s in llm]
