@@ -193,3 +193,14 @@ def test_without_a_kl_term_there_is_no_reference_slot():
     assert "compute_ref_logprob" not in ctx.slots
     lora_hooks.on_train_start(ctx)
     verl_plugin.check_lora_reference(ctx)
+
+
+def test_the_rollout_servers_serve_the_trained_adapter_merged():
+    """verl's vLLM routes apply an unmerged adapter only to calls that name it; agents' calls name rollout.model, so
+    the adapter is merged into the synced weights (model.lora.merge), and no recipe can turn that off."""
+    assert verl_lora_config().actor_rollout_ref.model.lora.merge is True
+    recipe, _ = lora_recipe()
+    with pytest.raises(ConfigError, match="lora.merge"):
+        build_verl_config(recipe, {"actor_rollout_ref": {"model": {"lora": {"merge": False}}}})
+    plain, _ = load(None, [], plugin_flags=["verl"])
+    assert build_verl_config(plain, {}).actor_rollout_ref.model.lora.merge is False  # no adapter: verl's default
