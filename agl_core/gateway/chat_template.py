@@ -46,6 +46,8 @@ class ChatTemplate:
         self.source = source
         self.tool_format = tool_format(tokenizer.chat_template)
         self._closings: dict[str, list[int]] = {}
+        # A fast tokenizer's Rust core encodes the same ids without the Python wrapper's ~20 µs a call.
+        self._core = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
 
     @classmethod
     def load(cls, path: str) -> ChatTemplate:
@@ -63,6 +65,8 @@ class ChatTemplate:
 
     def encode(self, text: str) -> list[int]:
         """``text`` as ids, without the tokenizer's own BOS/EOS (the template writes what it wants)."""
+        if self._core is not None:
+            return self._core.encode(text, add_special_tokens=False).ids
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, generation: bool) -> str:
