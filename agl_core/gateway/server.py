@@ -225,19 +225,19 @@ class Gateway:
         async with self.calls.admitted():
             start, weight_version = time.time(), self.weight_version
             upstream = self.upstreams.pick(rollout_id)
+            converted = None  # the token path's answer, parsed and made a chat answer
             if upstream is None:
                 forwarded = Forwarded(503, b"", 0, "the gateway has no policy server to forward to")
             else:
                 url, upstream_body = self._forwarded_request(upstream, endpoint, body, plan, state, rollout_id,
                                                              attempt_id, sequence_ids[0])
-                forwarded = _as_chat(await post_with_retries(self._upstream_client, url,
-                                                             json.dumps(upstream_body).encode(),
-                                                             self.config.max_retries, self.config.retry_backoff_s),
-                                     plan)
+                forwarded, converted = _as_chat(await post_with_retries(
+                    self._upstream_client, url, json.dumps(upstream_body).encode(), self.config.max_retries,
+                    self.config.retry_backoff_s), plan)
         common = self._span_attributes(endpoint, upstream, forwarded.status, forwarded.tries, state, weight_version,
                                        plan)
         spans, response = _spans(rollout_id, attempt_id, sequence_ids, endpoint, body, forwarded, common,
-                                 start, time.time())
+                                 start, time.time(), converted)
         self._record(rollout_id, spans)
         if plan is not None and forwarded.error is None and forwarded.status < 400:
             self.contexts.remember((rollout_id, attempt_id), plan, body, response)
@@ -279,6 +279,7 @@ class Gateway:
         await held.enter_async_context(self.calls.admitted())
         start, weight_version = time.time(), self.weight_version
         upstream = self.upstreams.pick(rollout_id)
+        converted = None
         try:
             if upstream is None:
                 opened: Opened | Forwarded = Forwarded(503, b"", 0, "the gateway has no policy server to forward to")
@@ -286,10 +287,9 @@ class Gateway:
                 # The token path is asked whole, and its chat answer streamed back in chunks (chunks_of below).
                 url, upstream_body = self._forwarded_request(upstream, endpoint, body, plan, state, rollout_id,
                                                              attempt_id, sequence_ids[0])
-                opened = _as_chat(await post_with_retries(self._upstream_client, url,
-                                                          json.dumps(upstream_body).encode(),
-                                                          self.config.max_retries, self.config.retry_backoff_s),
-                                  plan)
+                opened, converted = _as_chat(await post_with_retries(
+                    self._upstream_client, url, json.dumps(upstream_body).encode(), self.config.max_retries,
+                    self.config.retry_backoff_s), plan)
             else:
                 url = f"{upstream}/{endpoint.replace('.', '/')}"
                 upstream_body = self._upstream_body(endpoint, body, state, rollout_id, attempt_id, sequence_ids[0])
@@ -306,7 +306,7 @@ class Gateway:
         if isinstance(opened, Forwarded):
             await held.aclose()  # the whole answer is in: no weight sync can change it any more
             status, tries = opened.status, opened.tries
-            response, error = _parsed(opened)
+            response, error = (converted, None) if converted is not None else _parsed(opened)
             if error is not None:
                 common = self._span_attributes(endpoint, upstream, status, tries, state, weight_version, plan)
                 spans = _answer_spans(rollout_id, attempt_id, sequence_ids, endpoint, body, response, error, common,
@@ -475,31 +475,34 @@ def call_seed(run_seed: int, metadata: dict[str, Any], rollout_id: str, attempt_
 
 
 def _spans(rollout_id: str, attempt_id: str, sequence_ids: list[int], endpoint: str, request: dict[str, Any],
-           forwarded: Forwarded, attributes: dict[str, Any], start: float,
-           end: float) -> tuple[list[Span], dict[str, Any] | None]:
+           forwarded: Forwarded, attributes: dict[str, Any], start: float, end: float,
+           parsed: dict[str, Any] | None = None) -> tuple[list[Span], dict[str, Any] | None]:
     """One span per choice of a successful answer, one errored span otherwise; and the answer parsed (None if not JSON).
 
     What is stored grows linearly with ``n``: the request is stored once, on
     the first span (the others point at it with ``request_sequence_id``), and
     each choice's span holds the answer with its own choice only. Every span
-    keeps its prompt token ids: each choice is a row a trace aggregator trains on.
+    keeps its prompt token ids: each choice is a row a trace aggregator trains on. ``parsed``: the answer when it
+    is already parsed.
     """
-    response, error = _parsed(forwarded)
+    response, error = (parsed, None) if parsed is not None else _parsed(forwarded)
     return _answer_spans(rollout_id, attempt_id, sequence_ids, endpoint, request, response, error, attributes,
                          start, end), response
 
 
-def _as_chat(forwarded: Forwarded, plan: Plan | None) -> Forwarded:
-    """The token path's completions answer as the chat answer the agent asked for (any other answer as it came)."""
+def _as_chat(forwarded: Forwarded, plan: Plan | None) -> tuple[Forwarded, dict[str, Any] | None]:
+    """The token path's completions answer as the chat answer the agent asked for, and that answer parsed (None:
+    any other answer, as it came)."""
     if plan is None or not plan.exact or forwarded.error is not None or forwarded.status >= 400:
-        return forwarded
+        return forwarded, None
     try:
         response = json.loads(forwarded.body)
     except ValueError:
-        return forwarded  # not JSON: recorded and refused as any such answer
+        return forwarded, None  # not JSON: recorded and refused as any such answer
     if not isinstance(response, dict):
-        return forwarded
-    return Forwarded(forwarded.status, json.dumps(chat_answer(response, plan)).encode(), forwarded.tries)
+        return forwarded, None
+    chat = chat_answer(response, plan)
+    return Forwarded(forwarded.status, json.dumps(chat).encode(), forwarded.tries), chat
 
 
 def _parsed(forwarded: Forwarded) -> tuple[Any, str | None]:
