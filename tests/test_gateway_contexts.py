@@ -145,3 +145,14 @@ def test_the_token_path_asks_for_completions_and_answers_in_chat(template):
     assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"number": 4}
     assert [e["logprob"] for e in choice["logprobs"]["content"]] == [-0.5, -1.0] and choice["token_ids"] == [7, 8]
     assert choice["logprobs"]["content"][0]["top_logprobs"] == [{"token": "a", "logprob": -0.5, "bytes": None}]
+
+
+def test_the_agent_gets_log_probs_on_the_token_path_only_when_it_asked():
+    from agl_core.gateway.contexts import as_asked
+
+    chat = {"id": "c", "prompt_token_ids": [1], "choices": [{"index": 0, "message": {}, "token_ids": [2],
+                                                            "logprobs": {"content": [{"logprob": -1.0}]}}]}
+    assert as_asked(chat, {"logprobs": True}) is chat
+    slim = as_asked(chat, {})
+    assert slim["choices"][0]["logprobs"] is None and slim["choices"][0]["token_ids"] == [2]
+    assert chat["choices"][0]["logprobs"]  # the span's copy is untouched

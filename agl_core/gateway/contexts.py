@@ -13,7 +13,7 @@ prompt is that context, the template's closing of the model's turn and the
 ids of only the new messages (:mod:`agl_core.gateway.chat_template`). The
 answer is turned back into the chat answer the agent asked for (tool calls
 parsed by :mod:`agl_core.gateway.tool_calls`, as the embedded backend parses
-them). The prompt recorded in the span is then the previous call's prompt and
+them; per-token log-probs only when the agent asked for them). The prompt recorded in the span is then the previous call's prompt and
 response followed by new tokens: the trajectory aggregator merges the calls
 into one row, and the tokens trained are the tokens sampled.
 
@@ -304,6 +304,17 @@ def chat_answer(response: dict[str, Any], plan: Plan) -> dict[str, Any]:
     top = {key: value for key, value in response.items() if key not in ("choices", "object", "prompt_token_ids")}
     return {**top, "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "choices": choices,
             "prompt_token_ids": prompt}
+
+
+def as_asked(chat: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
+    """A token path's ``chat`` answer with its per-token log-probs only when the agent's ``request`` asked for them.
+
+    The span keeps them whatever the agent asked; sent back unasked they would
+    be most of the answer's bytes and of the gateway's time to write it.
+    """
+    if request.get("logprobs"):
+        return chat
+    return {**chat, "choices": [{**choice, "logprobs": None} for choice in chat["choices"]]}
 
 
 def _chat_logprobs(logprobs: Any) -> dict[str, Any] | None:

@@ -41,7 +41,7 @@ from agl_core.data import Span
 from agl_core.gateway.api_routes import TranslatedApis
 from agl_core.gateway.capture import CHAT, COMPLETIONS, Captured, ask_for_tokens, capture, without_token_fields
 from agl_core.gateway.client import ADMIN_POLICY, TOKEN_ENV
-from agl_core.gateway.contexts import ExactContexts, Plan, chat_answer, completion_request
+from agl_core.gateway.contexts import ExactContexts, Plan, as_asked, chat_answer, completion_request
 from agl_core.gateway.http_client import HttpClient
 from agl_core.gateway.streaming import (EVENT_STREAM, CallStream, EventStreamResponse, check_stream_fields,
                                        chunks_of, dumps, include_usage, one_batch, sse_batches)
@@ -233,7 +233,7 @@ class Gateway:
                                                              attempt_id, sequence_ids[0])
                 forwarded, converted = _as_chat(await post_with_retries(
                     self._upstream_client, url, json.dumps(upstream_body).encode(), self.config.max_retries,
-                    self.config.retry_backoff_s), plan)
+                    self.config.retry_backoff_s), plan, body)
         common = self._span_attributes(endpoint, upstream, forwarded.status, forwarded.tries, state, weight_version,
                                        plan)
         spans, response = _spans(rollout_id, attempt_id, sequence_ids, endpoint, body, forwarded, common,
@@ -289,7 +289,7 @@ class Gateway:
                                                              attempt_id, sequence_ids[0])
                 opened, converted = _as_chat(await post_with_retries(
                     self._upstream_client, url, json.dumps(upstream_body).encode(), self.config.max_retries,
-                    self.config.retry_backoff_s), plan)
+                    self.config.retry_backoff_s), plan, body)
             else:
                 url = f"{upstream}/{endpoint.replace('.', '/')}"
                 upstream_body = self._upstream_body(endpoint, body, state, rollout_id, attempt_id, sequence_ids[0])
@@ -490,9 +490,10 @@ def _spans(rollout_id: str, attempt_id: str, sequence_ids: list[int], endpoint: 
                          start, end), response
 
 
-def _as_chat(forwarded: Forwarded, plan: Plan | None) -> tuple[Forwarded, dict[str, Any] | None]:
-    """The token path's completions answer as the chat answer the agent asked for, and that answer parsed (None:
-    any other answer, as it came)."""
+def _as_chat(forwarded: Forwarded, plan: Plan | None,
+             request: dict[str, Any]) -> tuple[Forwarded, dict[str, Any] | None]:
+    """The token path's completions answer as the chat answer the agent asked for (its body: the token fields
+    only when ``request`` asked for them), and that answer whole (None: any other answer, as it came)."""
     if plan is None or not plan.exact or forwarded.error is not None or forwarded.status >= 400:
         return forwarded, None
     try:
@@ -502,7 +503,7 @@ def _as_chat(forwarded: Forwarded, plan: Plan | None) -> tuple[Forwarded, dict[s
     if not isinstance(response, dict):
         return forwarded, None
     chat = chat_answer(response, plan)
-    return Forwarded(forwarded.status, json.dumps(chat).encode(), forwarded.tries), chat
+    return Forwarded(forwarded.status, json.dumps(as_asked(chat, request)).encode(), forwarded.tries), chat
 
 
 def _parsed(forwarded: Forwarded) -> tuple[Any, str | None]:
