@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from agl_core.agents import LLM, RolloutScope, agent_name, as_reward, rollout_scope
 from agl_core.data import Rollout, Task
+from agl_core.gateway.context_record import EXACT, REBUILT
 from agl_core.store import FAILED, QUEUING, RUNNING, SUCCEEDED, TIMED_OUT, Attempt, NewRollout, Store
 
 log = logging.getLogger("agl_core.runner")
@@ -318,13 +319,13 @@ def cancel_abandoned(store: Store, run_id: str | None) -> int:
 def context_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     """How the gateway made the prompts of the step's chat calls (agl_core.gateway.contexts): ``exact`` (an
     earlier call's token ids continued) and ``rebuilt`` (sent as text though earlier calls exist); counts of calls."""
-    counts = {"exact": 0, "rebuilt": 0}
+    counts = {EXACT: 0, REBUILT: 0}
     for rollout in rollouts:
         for span in rollout.spans:
             kind = span.attributes.get("context") if span.kind == "llm_call" else None
             if kind in counts:
                 counts[kind] += 1
-    return {"rollout/n_context_exact": float(counts["exact"]), "rollout/n_context_rebuilt": float(counts["rebuilt"])}
+    return {"rollout/n_context_exact": float(counts[EXACT]), "rollout/n_context_rebuilt": float(counts[REBUILT])}
 
 
 def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:

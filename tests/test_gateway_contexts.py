@@ -13,8 +13,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from agl_core.gateway.chat_template import ChatTemplate
-from agl_core.gateway.contexts import (EDITED, EXACT, FIRST, NEW_CONVERSATION, REBUILT, TOOLS_CHANGED, ExactContexts,
-                                       chat_answer, completion_request, message_key)
+from agl_core.gateway.context_record import EDITED, EXACT, FIRST, NEW_CONVERSATION, REBUILT, TOOLS_CHANGED
+from agl_core.gateway.contexts import ExactContexts, chat_answer, completion_request, message_key
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -24,14 +24,15 @@ Every chat call's span says what happened (``attributes["context"]``):
 ``exact``
     the prompt is an earlier call's exact context plus the new messages.
 ``rebuilt``
-    earlier calls exist but this one was sent as text;
+    earlier calls exist but this one was sent as text
+    (:mod:`agl_core.gateway.context_record` names the values);
     ``attributes["context_reason"]`` says why: the agent edited its history
     (:data:`EDITED`), started another conversation (:data:`NEW_CONVERSATION`),
     changed its tools, or the gateway could not render (no tokenizer, a
     template that re-renders the past, a request option the token path does
     not carry). Counted as ``rollout/n_context_rebuilt``.
 
-Memory is bounded: the last ``MAX_TURNS`` calls' choices per attempt, the
+Memory is bounded: the last ``MAX_TURNS`` calls' choices per attempt (4 bytes a token), the
 ``MAX_ATTEMPTS`` most recently used attempts; an attempt's contexts are
 dropped when it ends (the gateway's sweeper, :mod:`agl_core.gateway.api_routes`).
 """
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from array import array
 from collections import OrderedDict, deque
@@ -48,17 +50,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from agl_core.gateway.chat_template import ChatTemplate, find_template
+from agl_core.gateway.context_record import EDITED, EXACT, FIRST, NEW_CONVERSATION, REBUILT, TOOLS_CHANGED
 from agl_core.gateway.tool_calls import forced_function, forced_opening, offered_tools, parse_forced_call, \
     parse_tool_calls
 from agl_core.http_rules import RequestError
 
-FIRST, EXACT, REBUILT = "first", "exact", "rebuilt"
-EDITED = "the agent changed its history (an earlier message or the model's reply differs from what was sent)"
-NEW_CONVERSATION = "the messages continue no earlier call of the attempt"
-TOOLS_CHANGED = "the tools offered differ from the earlier call's"
 
-MAX_TURNS = 16
-"""Calls (each with all its choices) kept per attempt: an agent continues one of its latest calls."""
+MAX_TURNS = 8
+"""Calls (each with all its choices) kept per attempt: an agent continues one of its latest calls (a retry, a
+second conversation interleaved with the first). At 4 bytes a token, 8 contexts of 32k tokens are 1 MiB."""
+
+RETRY_FIND_S = 60.0
+"""After a policy server listed no tokenizer (not up yet, another model), how long until it is asked again."""
 
 MAX_ATTEMPTS = 8192
 """Attempts whose contexts are kept at once; the least recently used is dropped first."""
@@ -122,7 +125,7 @@ class ExactContexts:
         self._find = find
         self.max_turns, self.max_attempts = max_turns, max_attempts
         self._turns: OrderedDict[tuple[str, str], deque[list[Turn]]] = OrderedDict()
-        self._templates: dict[str, asyncio.Future] = {}
+        self._templates: dict[str, tuple[asyncio.Future, float]] = {}
 
     @classmethod
     def for_gateway(cls, tokenizer: str | None, headers: dict[str, str] | None, timeout_s: float) -> ExactContexts:
@@ -201,7 +204,7 @@ class ExactContexts:
             if message.get("tool_calls"):
                 reply["tool_calls"] = message["tool_calls"]
             kept.append(Turn(plan.keys, plan.tools_key, body["messages"], message_key(reply), reply,
-                             array("q", [*prompt, *sampled]), len(sampled)))
+                             array("i", [*prompt, *sampled]), len(sampled)))
         if not kept:
             return
         turns = self._turns.get(attempt)
@@ -212,10 +215,13 @@ class ExactContexts:
         turns.append(kept)
 
     async def _template(self, upstream: str) -> tuple[ChatTemplate | None, str]:
-        future = self._templates.get(upstream)
-        if future is None:
-            future = self._templates[upstream] = asyncio.ensure_future(asyncio.to_thread(self._find, upstream))
-        return await asyncio.shield(future)
+        """The template for ``upstream``, found once (a failure is looked into again after ``RETRY_FIND_S``)."""
+        found = self._templates.get(upstream)
+        if found is None or (found[0].done() and found[0].result()[0] is None
+                             and time.monotonic() - found[1] > RETRY_FIND_S):
+            found = self._templates[upstream] = (asyncio.ensure_future(asyncio.to_thread(self._find, upstream)),
+                                                 time.monotonic())
+        return await asyncio.shield(found[0])
 
 
 def _continued(turns: deque[list[Turn]], keys: tuple[Any, ...], tools_key: str) -> tuple[Turn | None, str]:
