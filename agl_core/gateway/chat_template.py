@@ -122,6 +122,15 @@ def find_template(setting: str | None, base_url: str, headers: dict[str, str] | 
     server's ``root`` when it is a local directory. Blocking (a request and
     a tokenizer load): run off the event loop.
     """
+    template, said = _find_template(setting, base_url, headers, timeout_s)
+    if template is None:
+        log.warning("exact contexts: %s; calls that continue a conversation go to %s as text "
+                    "(rollout/n_context_rebuilt counts them)", said, base_url)
+    return template, said
+
+
+def _find_template(setting: str | None, base_url: str, headers: dict[str, str] | None,
+                   timeout_s: float) -> tuple[ChatTemplate | None, str]:
     path = setting
     if path is None:
         try:
