@@ -13,7 +13,8 @@ prompt is that context, the template's closing of the model's turn and the
 ids of only the new messages (:mod:`agl_core.gateway.chat_template`). The
 answer is turned back into the chat answer the agent asked for (tool calls
 parsed by :mod:`agl_core.gateway.tool_calls`, as the embedded backend parses
-them; per-token log-probs only when the agent asked for them). The prompt recorded in the span is then the previous call's prompt and
+them; per-token log-probs only when the agent asked for them); a streamed
+call is streamed as it is sampled (:class:`ChatChunks`). The prompt recorded in the span is then the previous call's prompt and
 response followed by new tokens: the trajectory aggregator merges the calls
 into one row, and the tokens trained are the tokens sampled.
 
@@ -45,14 +46,16 @@ import time
 import uuid
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from agl_core.gateway.chat_template import ChatTemplate, find_template
 from agl_core.gateway.context_record import EDITED, EXACT, FIRST, NEW_CONVERSATION, REBUILT, TOOLS_CHANGED
-from agl_core.gateway.tool_calls import forced_function, forced_opening, offered_tools, parse_forced_call, \
-    parse_tool_calls
+from agl_core.gateway.http_client import UpstreamError
+from agl_core.gateway.streaming import dumps
+from agl_core.gateway.tool_calls import (forced_function, forced_opening, offered_tools, parse_forced_call,
+                                         parse_tool_calls)
 from agl_core.http_rules import RequestError
 
 
@@ -310,6 +313,72 @@ def chat_answer(response: dict[str, Any], plan: Plan) -> dict[str, Any]:
     top = {key: value for key, value in response.items() if key not in ("choices", "object", "prompt_token_ids")}
     return {**top, "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "choices": choices,
             "prompt_token_ids": prompt}
+
+
+class ChatChunks:
+    """A streamed completions answer to the token prompt of ``plan``, chunk by chunk as the chat chunks the agent
+    asked for, in vLLM's layout (:mod:`agl_core.gateway.streaming`): per choice a first chunk with the role (the
+    call's first with ``prompt_token_ids``), then the text as it comes with each chunk's token ids and log-probs.
+
+    With tools offered the text is held, as the embedded backend holds it, and the last chunk of a choice carries
+    its content and ``tool_calls`` parsed as :func:`chat_answer` parses them.
+    """
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self._texts: dict[int, list[str]] = {}  # per choice begun: the text held (tools offered)
+        self._prompt_sent = False
+
+    async def batches(self, batches: AsyncIterator[tuple[list[bytes], bool]]):
+        """``batches`` of completions chunk payloads as batches of chat chunk payloads."""
+        async for payloads, done in batches:
+            try:
+                chunks = [chunk for payload in payloads for chunk in self.chunks(json.loads(payload))]
+            except (ValueError, TypeError, AttributeError) as exc:
+                raise UpstreamError(f"a chunk is not a completions chunk ({exc})") from None
+            yield [dumps(chunk) for chunk in chunks], done
+
+    def chunks(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        """The chat chunks of one completions ``chunk``."""
+        top = {key: value for key, value in chunk.items() if key not in ("choices", "object", "id")}
+        top.update(id=self.id, object="chat.completion.chunk")
+        prompt = top.pop("prompt_token_ids", None)
+        if not chunk.get("choices"):
+            return [{**top, "choices": []}]  # the usage
+        out = []
+        for choice in chunk["choices"]:
+            index = choice.get("index", 0)
+            prompt = choice.get("prompt_token_ids", prompt)
+            if index not in self._texts:
+                self._texts[index] = []
+                first = {**top, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}]}
+                if not self._prompt_sent and prompt is not None:
+                    first["prompt_token_ids"], self._prompt_sent = prompt, True
+                out.append(first)
+            text, finish_reason = choice.get("text") or "", choice.get("finish_reason")
+            delta: dict[str, Any] = {}
+            if not self.plan.tools:
+                if text:
+                    delta["content"] = text
+            else:
+                self._texts[index].append(text)
+                if finish_reason is not None:
+                    message = chat_answer({"choices": [{"text": "".join(self._texts[index])}]}, self.plan)
+                    parsed = message["choices"][0]["message"]
+                    if parsed.get("content"):
+                        delta["content"] = parsed["content"]
+                    if parsed.get("tool_calls"):
+                        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(parsed["tool_calls"])]
+                        finish_reason = "tool_calls"
+            made = {"index": index, "delta": delta, "logprobs": _chat_logprobs(choice.get("logprobs")),
+                    "finish_reason": finish_reason}
+            for key in ("token_ids", "stop_reason"):
+                if key in choice:
+                    made[key] = choice[key]
+            out.append({**top, "choices": [made]})
+        return out
 
 
 def as_asked(chat: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:

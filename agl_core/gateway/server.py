@@ -41,7 +41,7 @@ from agl_core.data import Span
 from agl_core.gateway.api_routes import TranslatedApis
 from agl_core.gateway.capture import CHAT, COMPLETIONS, Captured, ask_for_tokens, capture, without_token_fields
 from agl_core.gateway.client import ADMIN_POLICY, TOKEN_ENV
-from agl_core.gateway.contexts import ExactContexts, Plan, as_asked, chat_answer, completion_request
+from agl_core.gateway.contexts import ChatChunks, ExactContexts, Plan, as_asked, chat_answer, completion_request
 from agl_core.gateway.http_client import HttpClient
 from agl_core.gateway.streaming import (EVENT_STREAM, CallStream, EventStreamResponse, check_stream_fields,
                                        chunks_of, dumps, include_usage, one_batch, sse_batches)
@@ -279,21 +279,17 @@ class Gateway:
         await held.enter_async_context(self.calls.admitted())
         start, weight_version = time.time(), self.weight_version
         upstream = self.upstreams.pick(rollout_id)
+        exact = plan is not None and plan.exact
         converted = None
         try:
             if upstream is None:
                 opened: Opened | Forwarded = Forwarded(503, b"", 0, "the gateway has no policy server to forward to")
-            elif plan is not None and plan.exact:
-                # The token path is asked whole, and its chat answer streamed back in chunks (chunks_of below).
+            else:
                 url, upstream_body = self._forwarded_request(upstream, endpoint, body, plan, state, rollout_id,
                                                              attempt_id, sequence_ids[0])
-                opened, converted = _as_chat(await post_with_retries(
-                    self._upstream_client, url, json.dumps(upstream_body).encode(), self.config.max_retries,
-                    self.config.retry_backoff_s), plan, body)
-            else:
-                url = f"{upstream}/{endpoint.replace('.', '/')}"
-                upstream_body = self._upstream_body(endpoint, body, state, rollout_id, attempt_id, sequence_ids[0])
                 upstream_body["stream"] = True
+                if exact and include_usage(body):  # the token path's completions request has no stream options
+                    upstream_body["stream_options"] = {"include_usage": True}
                 opened = await open_with_retries(self._upstream_client, url, json.dumps(upstream_body).encode(),
                                                  self.config.max_retries, self.config.retry_backoff_s)
             if isinstance(opened, Opened) and opened.response.content_type != EVENT_STREAM:
@@ -303,6 +299,8 @@ class Gateway:
         except BaseException:
             await held.aclose()
             raise
+        if isinstance(opened, Forwarded) and exact:
+            opened, converted = _as_chat(opened, plan, body)
         if isinstance(opened, Forwarded):
             await held.aclose()  # the whole answer is in: no weight sync can change it any more
             status, tries = opened.status, opened.tries
@@ -318,6 +316,8 @@ class Gateway:
         else:
             status, tries = opened.response.status, opened.tries
             batches, release = sse_batches(opened.response), opened.response.release
+            if exact:  # the token path's completions chunks, relayed as the chat chunks the agent asked for
+                batches = ChatChunks(plan).batches(batches)
         common = self._span_attributes(endpoint, upstream, status, tries, state, weight_version, plan)
 
         async def on_close(stream: CallStream) -> None:

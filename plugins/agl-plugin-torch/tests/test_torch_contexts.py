@@ -138,6 +138,39 @@ def test_a_streamed_call_keeps_the_exact_context_and_streams_the_same_answer(ser
     spans = calls(store)
     assert [s.attributes["context"] for s in spans] == [FIRST, EXACT]
     assert text == spans[-1].attributes["response"]["choices"][0]["message"]["content"]
+    assert len(chunks) > 2  # relayed as sampled, a chunk per token: not one whole answer cut in two
+    assert_trained_as_sampled(spans)
+
+
+def test_a_streamed_tool_call_on_the_token_path_is_parsed_at_its_end(served, gateway):
+    store, server = gateway
+    client = openai_client(server)
+    messages = [{"role": "user", "content": "guess a number"}]
+    for turn in range(3):
+        calls_made: dict[int, dict] = {}
+        content = ""
+        for chunk in client.chat.completions.create(model="policy", messages=messages, tools=[GUESS], seed=turn,
+                                                    tool_choice="required", max_tokens=3, stream=True):
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                for call in choice.delta.tool_calls or ():
+                    slot = calls_made.setdefault(call.index, {"id": call.id, "type": "function",
+                                                              "function": {"name": "", "arguments": ""}})
+                    slot["function"]["name"] += call.function.name or ""
+                    slot["function"]["arguments"] += call.function.arguments or ""
+        message = {"role": "assistant", "content": content or None}
+        if calls_made:
+            message["tool_calls"] = [calls_made[k] for k in sorted(calls_made)]
+        messages.append(message)
+        messages += ([{"role": "tool", "tool_call_id": c["id"], "content": "higher"} for c in message["tool_calls"]]
+                     if calls_made else [{"role": "user", "content": "invalid"}])
+    spans = calls(store)
+    assert [s.attributes["context"] for s in spans] == [FIRST, EXACT, EXACT]
+    recorded = [s.attributes["response"]["choices"][0]["message"] for s in spans]
+    assert any(m.get("tool_calls") for m in recorded)
+    for message, sent in zip(recorded, [m for m in messages if m["role"] == "assistant"]):
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls") or ()] \
+            == [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in sent.get("tool_calls") or ()]
     assert_trained_as_sampled(spans)
 
 
