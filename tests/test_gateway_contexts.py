@@ -156,3 +156,53 @@ def test_the_agent_gets_log_probs_on_the_token_path_only_when_it_asked():
     slim = as_asked(chat, {})
     assert slim["choices"][0]["logprobs"] is None and slim["choices"][0]["token_ids"] == [2]
     assert chat["choices"][0]["logprobs"]  # the span's copy is untouched
+
+
+# ------------------------------------------------------------ through a real gateway, the test endpoint behind it
+
+
+def two_turns(endpoint, tokenizer: str | None):
+    """A real gateway (exact contexts on, ``tokenizer`` set or not) over the test endpoint; two chat turns of one
+    rollout with the real openai client; its spans."""
+    import openai
+
+    from agl_core.builtin.memory_store import MemoryStore
+    from agl_core.config import GatewayConfig
+    from agl_core.data import Task
+    from agl_core.gateway import Gateway
+    from agl_core.store import NewRollout
+
+    store = MemoryStore()
+    store.enqueue([NewRollout("r1", Task(id="t", input={}))])
+    store.dequeue("w", lease_s=60)
+    server = Gateway(store, GatewayConfig(tokenizer=tokenizer), upstreams=[endpoint.url]).serve()
+    try:
+        client = openai.OpenAI(base_url=Gateway.base_url(server.url, "r1", "1"), api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "hi"}]
+        reply = client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+        messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+        client.chat.completions.create(model="m", messages=messages, max_tokens=4, top_logprobs=2, logprobs=True)
+    finally:
+        server.stop()
+    return sorted(store._entries["r1"].spans, key=lambda s: s.sequence_id)
+
+
+def test_the_token_path_is_vllms_completions_with_a_token_prompt(endpoint, template):
+    first, second = two_turns(endpoint, template.source)
+    assert (first.attributes["context"], second.attributes["context"]) == (FIRST, EXACT)
+    sent = endpoint.requests[-1]
+    assert isinstance(sent["prompt"], list) and sent["return_token_ids"] is True and sent["logprobs"] == 2
+    assert "messages" not in sent and sent["max_tokens"] == 4
+    assert list(second.prompt_token_ids) == sent["prompt"]
+    context = list(first.prompt_token_ids) + list(first.response_token_ids)
+    assert sent["prompt"][:len(context)] == context
+    assert second.attributes["response"]["choices"][0]["message"]["content"] == "echo"  # the test endpoint echoes, cut at max_tokens
+
+
+def test_without_a_tokenizer_the_call_goes_as_text_and_says_why(endpoint, caplog):
+    """The test endpoint lists no model directory (no ``root``) and no tokenizer is set: text, counted, logged."""
+    first, second = two_turns(endpoint, None)
+    assert second.attributes["context"] == REBUILT
+    assert "rollout.gateway.tokenizer" in second.attributes["context_reason"]
+    assert "messages" in endpoint.requests[-1]
+    assert any("exact contexts" in record.getMessage() for record in caplog.records)
