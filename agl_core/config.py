@@ -177,6 +177,13 @@ class GatewayConfig(Section):
                                                 "longer one is cut there and the call fails with 502")
     max_connections: int = Field(1024, ge=1, description="connections the gateway holds at once; one more is "
                                                          "answered 503 and closed")
+    exact_contexts: bool = Field(True, description="send a chat call that continues an earlier call of the attempt "
+                                                   "(its messages, its reply unchanged, new messages) upstream as "
+                                                   "that call's exact token ids plus the new messages' ids, so the "
+                                                   "tokens trained are the tokens sampled (docs/rollout.md)")
+    tokenizer: str | None = Field(None, description="local directory of the policy's tokenizer, whose chat template "
+                                                    "renders the new messages of exact contexts (default: the "
+                                                    "directory the policy server lists as its model's root)")
 
 
 class RolloutConfig(Section):

@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from agl_core.agents import LLM, RolloutScope, agent_name, as_reward, rollout_scope
 from agl_core.data import Rollout, Task
+from agl_core.gateway.context_record import EXACT, REBUILT
 from agl_core.store import FAILED, QUEUING, RUNNING, SPANS_LOST, SUCCEEDED, TIMED_OUT, Attempt, NewRollout, Store
 
 log = logging.getLogger("agl_core.runner")
@@ -317,6 +318,18 @@ def cancel_abandoned(store: Store, run_id: str | None) -> int:
     return store.cancel(mine, "abandoned: the trainer that queued it stopped") if mine else 0
 
 
+def context_metrics(rollouts: list[Rollout]) -> dict[str, float]:
+    """How the gateway made the prompts of the step's chat calls (agl_core.gateway.contexts): ``exact`` (an
+    earlier call's token ids continued) and ``rebuilt`` (sent as text though earlier calls exist); counts of calls."""
+    counts = {EXACT: 0, REBUILT: 0}
+    for rollout in rollouts:
+        for span in rollout.spans:
+            kind = span.attributes.get("context") if span.kind == "llm_call" else None
+            if kind in counts:
+                counts[kind] += 1
+    return {"rollout/n_context_exact": float(counts[EXACT]), "rollout/n_context_rebuilt": float(counts[REBUILT])}
+
+
 def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     """``rollout/…`` metrics of a step: counts by outcome (``n_spans_lost``: failed because some of their spans
     could not be written), retries, and latency percentiles (seconds)."""
@@ -328,6 +341,7 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
         "rollout/n_spans_lost": float(sum(r.status == FAILED and (r.error or "").startswith(SPANS_LOST)
                                           for r in rollouts)),
         "rollout/n_retried": float(sum(r.attempts > 1 for r in rollouts)),
+        **context_metrics(rollouts),
     }
     latencies = [r.end_time - r.start_time for r in rollouts if r.start_time is not None and r.end_time is not None]
     if latencies:

@@ -22,6 +22,9 @@ user's message>}``. Its tokens are the Hermes text
 vLLM's tool parser answers. Tools, tool calls and tool results are rendered
 into the next prompt so that it extends the previous prompt and response.
 
+A completions ``prompt`` may be a list of token ids, as vLLM takes it (the
+reply then echoes their text).
+
 ``stream: true`` answers with server-sent events the way vLLM does: for chat,
 a first chunk per choice with the role (and, on the call's first chunk,
 ``prompt_token_ids``), then one chunk per token with its text, its
@@ -67,7 +70,9 @@ class ByteTokenizer:
         return [b + self.OFFSET for b in text.encode("utf-8")]
 
     def decode(self, ids: list[int]) -> str:
-        return bytes(i - self.OFFSET for i in ids if i >= self.OFFSET).decode("utf-8", errors="replace")
+        # Ids past the bytes (a token prompt made by another tokenizer) have no text here.
+        return bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET).decode("utf-8",
+                                                                                                 errors="replace")
 
     def token_text(self, token_id: int) -> str:
         return bytes([token_id - self.OFFSET]).decode("latin-1")
@@ -276,7 +281,10 @@ class TestEndpoint:
         if isinstance(body, Response):
             return body
         prompt = body.get("prompt") or ""
-        prompt_ids = self.tokenizer.encode(prompt)
+        if isinstance(prompt, list):  # token ids, as vLLM takes them (the gateway's exact contexts)
+            prompt_ids, prompt = list(prompt), self.tokenizer.decode(prompt)
+        else:
+            prompt_ids = self.tokenizer.encode(prompt)
         ids, finish_reason = self._reply(body, prompt)
         if body.get("stream"):
             return self._stream(body, self._completion_chunks(body, prompt_ids, ids, finish_reason))

@@ -15,7 +15,7 @@ incomplete when the agent disconnects before the end.
 The responses of each running attempt are kept for ``previous_response_id``
 (:class:`~agl_core.gateway.responses.ResponseMemory`, bounded); every
 ``SWEEP_S`` seconds the attempts that ended are looked up in the store and
-their responses dropped.
+their responses dropped, with their exact contexts (:mod:`agl_core.gateway.contexts`).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class TranslatedApis:
         """``POST …/v1/responses``: an OpenAI Responses call, answered whole or as the Responses events."""
         rollout_id, attempt_id, lease = (request.path_params[key] for key in ("rollout_id", "attempt_id", "lease"))
         attempt = (rollout_id, attempt_id)
-        self._start_sweeper()
+        self.start_sweeper()
         try:
             body = await self._body(request)
             stream = responses.wants_stream(body)
@@ -127,19 +127,23 @@ class TranslatedApis:
 
     # ------------------------------------------------------------ ended attempts
 
-    def _start_sweeper(self) -> None:
-        # Started on the serving loop by its first Responses call; it ends with that loop (a gateway served
-        # again starts it on its new loop).
+    def start_sweeper(self) -> None:
+        """Drop, from now on, what is kept of attempts that ended (Responses, exact contexts)."""
+        # Started on the serving loop by its first Responses or chat call; it ends with that loop (a gateway
+        # served again starts it on its new loop).
         if self._sweeper is None or self._sweeper.done():
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
 
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(SWEEP_S)
-            held = self.memory.attempts()
+            contexts = self.gateway.contexts
+            held = sorted({*self.memory.attempts(), *(contexts.attempts() if contexts is not None else ())})
             if held:
                 for attempt in await asyncio.to_thread(self._ended, held):
                     self.memory.drop(attempt)
+                    if contexts is not None:
+                        contexts.drop(attempt)
 
     def _ended(self, attempts: list[tuple[str, str]]) -> list[tuple[str, str]]:
         """The attempts among ``attempts`` that are no longer running (the store may block: a worker thread)."""

@@ -49,6 +49,7 @@ from agl_core.data import Span
 from agl_core.gateway.api_routes import TranslatedApis
 from agl_core.gateway.capture import CHAT, COMPLETIONS, Captured, ask_for_tokens, capture, without_token_fields
 from agl_core.gateway.client import ADMIN_POLICY, ADMIN_TOKEN_ENV, TOKEN_ENV
+from agl_core.gateway.contexts import ChatChunks, ExactContexts, Plan, as_asked, chat_answer, completion_request
 from agl_core.gateway.streaming import (EVENT_STREAM, CallStream, EventStreamResponse, check_stream_fields,
                                        chunks_of, dumps, include_usage, one_batch, sse_batches)
 from agl_core.gateway.tools import check_tools
@@ -122,6 +123,9 @@ class Gateway:
         self.calls = CallGate()  # paused around weight syncs
         self._store_failed = False  # logged once: every later call would say the same
         self._upstream_client: aiohttp.ClientSession | None = None
+        self.contexts = ExactContexts.for_gateway(
+            self.config.tokenizer, {"Authorization": f"Bearer {self.upstream_token}"} if self.upstream_token else None,
+            self.config.upstream_timeout_s) if self.config.exact_contexts else None
         self.translated = TranslatedApis(self)  # /v1/messages and /v1/responses, over self.call
         self.app = Starlette(
             routes=[Route(f"{PREFIX}/chat/completions", self._chat, methods=["POST"]),
@@ -241,23 +245,28 @@ class Gateway:
         """
         self.check_request(endpoint, body)
         state, sequence_ids = await self._admitted(rollout_id, attempt_id, body.get("n") or 1, lease)
+        plan = await self._plan(rollout_id, attempt_id, endpoint, body)
         # A weight sync holds new calls here and lets those in flight finish first (weight_sync.CallGate), so
         # the version read at admission is the one that serves the call, whenever its span is written.
         async with self.calls.admitted():
             start, weight_version = time.time(), self.weight_version
             upstream = self.upstreams.pick(rollout_id)
+            converted = None  # the token path's answer, parsed and made a chat answer
             if upstream is None:
                 forwarded = Forwarded(503, b"", 0, "the gateway has no policy server to forward to")
             else:
-                url = f"{upstream}/{endpoint.replace('.', '/')}"
-                payload = json.dumps(self._upstream_body(endpoint, body, state, rollout_id, attempt_id,
-                                                         sequence_ids[0])).encode()
-                forwarded = await post_with_retries(self._upstream_client, url, payload, self.config.max_retries,
-                                                    self.config.retry_backoff_s, self.config.max_upstream_bytes)
-        common = self._span_attributes(endpoint, upstream, forwarded.status, forwarded.tries, state, weight_version)
+                url, upstream_body = self._forwarded_request(upstream, endpoint, body, plan, state, rollout_id,
+                                                             attempt_id, sequence_ids[0])
+                forwarded, converted = _as_chat(await post_with_retries(
+                    self._upstream_client, url, json.dumps(upstream_body).encode(), self.config.max_retries,
+                    self.config.retry_backoff_s, self.config.max_upstream_bytes), plan, body)
+        common = self._span_attributes(endpoint, upstream, forwarded.status, forwarded.tries, state, weight_version,
+                                       plan)
         spans, response = _spans(rollout_id, attempt_id, sequence_ids, endpoint, body, forwarded, common,
-                                 start, time.time())
+                                 start, time.time(), converted)
         self._record(rollout_id, attempt_id, lease, spans)
+        if plan is not None and forwarded.error is None and forwarded.status < 400:
+            self.contexts.remember((rollout_id, attempt_id), plan, body, response)
         if forwarded.error is not None:
             raise CallFailed(forwarded.status, forwarded.error)
         if forwarded.status >= 400:
@@ -291,17 +300,22 @@ class Gateway:
         """
         self.check_request(endpoint, body)
         state, sequence_ids = await self._admitted(rollout_id, attempt_id, body.get("n") or 1, lease)
+        plan = await self._plan(rollout_id, attempt_id, endpoint, body)
         held = contextlib.AsyncExitStack()
         await held.enter_async_context(self.calls.admitted())
         start, weight_version = time.time(), self.weight_version
         upstream = self.upstreams.pick(rollout_id)
+        exact = plan is not None and plan.exact
+        converted = None
         try:
             if upstream is None:
                 opened: Opened | Forwarded = Forwarded(503, b"", 0, "the gateway has no policy server to forward to")
             else:
-                url = f"{upstream}/{endpoint.replace('.', '/')}"
-                upstream_body = self._upstream_body(endpoint, body, state, rollout_id, attempt_id, sequence_ids[0])
+                url, upstream_body = self._forwarded_request(upstream, endpoint, body, plan, state, rollout_id,
+                                                             attempt_id, sequence_ids[0])
                 upstream_body["stream"] = True
+                if exact and include_usage(body):  # the token path's completions request has no stream options
+                    upstream_body["stream_options"] = {"include_usage": True}
                 opened = await open_with_retries(self._upstream_client, url, json.dumps(upstream_body).encode(),
                                                  self.config.max_retries, self.config.retry_backoff_s,
                                                  self.config.max_upstream_bytes)
@@ -311,12 +325,14 @@ class Gateway:
         except BaseException:
             await held.aclose()
             raise
+        if isinstance(opened, Forwarded) and exact:
+            opened, converted = _as_chat(opened, plan, body)
         if isinstance(opened, Forwarded):
             await held.aclose()  # the whole answer is in: no weight sync can change it any more
             status, tries = opened.status, opened.tries
-            response, error = _parsed(opened)
+            response, error = (converted, None) if converted is not None else _parsed(opened)
             if error is not None:
-                common = self._span_attributes(endpoint, upstream, status, tries, state, weight_version)
+                common = self._span_attributes(endpoint, upstream, status, tries, state, weight_version, plan)
                 spans = _answer_spans(rollout_id, attempt_id, sequence_ids, endpoint, body, response, error, common,
                                       start, time.time())
                 self._record(rollout_id, attempt_id, lease, spans)
@@ -326,7 +342,9 @@ class Gateway:
         else:
             status, tries = opened.response.status, opened.tries
             batches, release = sse_batches(opened.response), opened.response.release
-        common = self._span_attributes(endpoint, upstream, status, tries, state, weight_version)
+            if exact:  # the token path's completions chunks, relayed as the chat chunks the agent asked for
+                batches = ChatChunks(plan).batches(batches)
+        common = self._span_attributes(endpoint, upstream, status, tries, state, weight_version, plan)
 
         async def on_close(stream: CallStream) -> None:
             await held.aclose()
@@ -341,13 +359,34 @@ class Gateway:
                 self._record(rollout_id, attempt_id, lease, spans)
             except RequestError as exc:
                 stream.record_error = str(exc)
+            else:
+                if plan is not None and error is None and stream.ended:
+                    self.contexts.remember((rollout_id, attempt_id), plan, body, response)
 
         return CallStream(endpoint, batches, on_close, release)
 
     def _span_attributes(self, endpoint: str, upstream: str | None, status: int, tries: int,
-                         state: AttemptState, weight_version: int | None) -> dict[str, Any]:
-        return {"endpoint": endpoint, "upstream": upstream, "status_code": status, "upstream_tries": tries,
-                "weight_version": weight_version, "agent_name": state.metadata.get("agent_name")}
+                         state: AttemptState, weight_version: int | None, plan: Plan | None) -> dict[str, Any]:
+        attributes = {"endpoint": endpoint, "upstream": upstream, "status_code": status, "upstream_tries": tries,
+                      "weight_version": weight_version, "agent_name": state.metadata.get("agent_name")}
+        return attributes if plan is None else {**attributes, **plan.attributes()}
+
+    async def _plan(self, rollout_id: str, attempt_id: str, endpoint: str, body: dict[str, Any]) -> Plan | None:
+        """How a chat call goes upstream, as text or as its exact context (:mod:`agl_core.gateway.contexts`);
+        None when exact contexts are off or the call is not a chat call."""
+        if self.contexts is None or endpoint != CHAT:
+            return None
+        self.translated.start_sweeper()  # drops the contexts of ended attempts
+        return await self.contexts.plan((rollout_id, attempt_id), body, self.upstreams.pick(rollout_id))
+
+    def _forwarded_request(self, upstream: str, endpoint: str, body: dict[str, Any], plan: Plan | None,
+                           state: AttemptState, rollout_id: str, attempt_id: str,
+                           sequence_id: int) -> tuple[str, dict[str, Any]]:
+        """The URL and body that go upstream: the agent's request, or the completions call of its exact context."""
+        if plan is not None and plan.exact:
+            endpoint, body = COMPLETIONS, completion_request(body, plan.prompt_ids)
+        return (f"{upstream}/{endpoint.replace('.', '/')}",
+                self._upstream_body(endpoint, body, state, rollout_id, attempt_id, sequence_id))
 
     # ------------------------------------------------------------ checks
 
@@ -470,18 +509,35 @@ def call_seed(run_seed: int, metadata: dict[str, Any], rollout_id: str, attempt_
 
 
 def _spans(rollout_id: str, attempt_id: str, sequence_ids: list[int], endpoint: str, request: dict[str, Any],
-           forwarded: Forwarded, attributes: dict[str, Any], start: float,
-           end: float) -> tuple[list[Span], dict[str, Any] | None]:
+           forwarded: Forwarded, attributes: dict[str, Any], start: float, end: float,
+           parsed: dict[str, Any] | None = None) -> tuple[list[Span], dict[str, Any] | None]:
     """One span per choice of a successful answer, one errored span otherwise; and the answer parsed (None if not JSON).
 
     What is stored grows linearly with ``n``: the request is stored once, on
     the first span (the others point at it with ``request_sequence_id``), and
     each choice's span holds the answer with its own choice only. Every span
-    keeps its prompt token ids: each choice is a row a trace aggregator trains on.
+    keeps its prompt token ids: each choice is a row a trace aggregator trains on. ``parsed``: the answer when it
+    is already parsed.
     """
-    response, error = _parsed(forwarded)
+    response, error = (parsed, None) if parsed is not None else _parsed(forwarded)
     return _answer_spans(rollout_id, attempt_id, sequence_ids, endpoint, request, response, error, attributes,
                          start, end), response
+
+
+def _as_chat(forwarded: Forwarded, plan: Plan | None,
+             request: dict[str, Any]) -> tuple[Forwarded, dict[str, Any] | None]:
+    """The token path's completions answer as the chat answer the agent asked for (its body: the token fields
+    only when ``request`` asked for them), and that answer whole (None: any other answer, as it came)."""
+    if plan is None or not plan.exact or forwarded.error is not None or forwarded.status >= 400:
+        return forwarded, None
+    try:
+        response = json.loads(forwarded.body)
+    except ValueError:
+        return forwarded, None  # not JSON: recorded and refused as any such answer
+    if not isinstance(response, dict):
+        return forwarded, None
+    chat = chat_answer(response, plan)
+    return Forwarded(forwarded.status, json.dumps(as_asked(chat, request)).encode(), forwarded.tries), chat
 
 
 def _parsed(forwarded: Forwarded) -> tuple[Any, str | None]:

@@ -11,7 +11,7 @@ call not streamed.
 ``tool_choice`` names ``guess``: the embedded backend then starts the answer
 with the opening of the call (``[guess(number=``, in the pythonic format of
 the made model's chat template) and the model writes the number, as a server
-with guided decoding would make it (see ``agl_plugin_torch.tools``). A turn
+with guided decoding would make it (see ``agl_core.gateway.tool_calls``). A turn
 without a valid call (the model wrote no number) is answered "invalid" by
 the user, as in the plain game.
 """

@@ -27,7 +27,7 @@ SPECIAL_TOKENS = (PAD, UNK, END, *(f"<|{role}|>" for role in ROLES))
 # Each message is "<|role|> content <|end|>"; the model's turn starts after "<|assistant|>" and
 # ends with the "<|end|>" it generates, so a reply re-rendered in the next prompt is the same ids.
 # Tools, when a request offers them, come first as "<|system|> tools : name ( param ... ) <|end|>";
-# an assistant's tool calls follow its content in the pythonic format (agl_plugin_torch.tools), which
+# an assistant's tool calls follow its content in the pythonic format (agl_core.gateway.tool_calls), which
 # a word tokenizer splits the same way whether the model wrote them or the template did.
 CHAT_TEMPLATE = ("{% if tools %}<|system|> tools :{% for tool in tools %} {{ tool['function']['name'] }} ("
                  "{% for name in (tool['function'].get('parameters') or {}).get('properties', {}) %} {{ name }}"

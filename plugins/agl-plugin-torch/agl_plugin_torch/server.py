@@ -6,7 +6,9 @@ with ``return_token_ids``, whatever the request asks: ``prompt_token_ids``
 ``choices[].logprobs`` (the sampled tokens' log-probs, with
 ``top_logprobs`` alternatives when asked). Every response also carries
 ``weight_version``, the number of the actor update whose weights produced it
-(0: the initial weights). ``GET /v1/models`` lists the one model;
+(0: the initial weights). ``GET /v1/models`` lists the one model (its
+``root`` the directory its tokenizer was loaded from, as vLLM lists its
+model's path);
 ``GET /healthz`` (``/health``) says it is alive.
 
 Sampling parameters: ``max_tokens`` / ``max_completion_tokens``,
@@ -22,7 +24,7 @@ choice the rest and the finish reason (:mod:`agl_plugin_torch.streaming`);
 Tools: a chat request's ``tools``, ``tool_choice`` and ``tool``-role messages
 are rendered by the model's chat template, and the model's calls parsed back
 into ``message.tool_calls`` (finish reason ``"tool_calls"``), in the formats
-:mod:`agl_plugin_torch.tools` documents; a ``tool_choice`` naming a function
+:mod:`agl_core.gateway.tool_calls` documents; a ``tool_choice`` naming a function
 starts the model's answer with the opening of that call.
 Every field is checked before the request reaches the engine (the rules of
 :mod:`agl_core.http_rules`): a value the engine cannot sample with is a 400
@@ -54,6 +56,8 @@ from starlette.routing import Route
 from transformers import PreTrainedTokenizerBase
 
 from agl_core.gateway.streaming import EVENT_STREAM
+from agl_core.gateway.tool_calls import (forced_function, forced_opening, offered_tools, parse_forced_call,
+                                         parse_tool_calls, template_messages, tool_format)
 from agl_core.http_rules import (POLICY_TOKEN_ENV, RequestError, check_bearer, check_sampling, error_response,
                                  health_response, parse_json_object, policy_token, read_body,
                                  require_token_off_loopback)
@@ -64,8 +68,6 @@ from agl_plugin_torch.engine import Engine, Generated
 from agl_plugin_torch.sampling import SamplingParams
 from agl_plugin_torch.settings import ServingConfig
 from agl_plugin_torch.streaming import TokenStream, logprob_entry
-from agl_plugin_torch.tools import (forced_function, forced_opening, offered_tools, parse_forced_call,
-                                    parse_tool_calls, template_messages, tool_format)
 
 log = logging.getLogger("agl_plugin_torch")
 
@@ -141,8 +143,11 @@ class PolicyServer:
             check_bearer(request, self.token)
         except RequestError as exc:
             return error_response(exc.status, str(exc))
+        # root: where the tokenizer was loaded from, as vLLM lists its model's path; the gateway renders exact
+        # contexts with the same files (agl_core.gateway.chat_template).
         return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                                         "owned_by": "agl-plugin-torch"}]})
+                                                         "owned_by": "agl-plugin-torch",
+                                                         "root": self.tokenizer.name_or_path or None}]})
 
     async def _health(self, request: Request) -> Response:
         return health_response(request, self.token, {"weight_version": self.engine.weight_version()})
@@ -201,7 +206,7 @@ class PolicyServer:
         """The prompt ids of a chat request, the tools it offers, and the forced opening of the answer (or "").
 
         The tools are rendered by the chat template; a ``tool_choice`` naming a
-        function appends the opening of its call to the prompt (see :mod:`agl_plugin_torch.tools`).
+        function appends the opening of its call to the prompt (see :mod:`agl_core.gateway.tool_calls`).
         """
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:

@@ -13,14 +13,14 @@ from agl_core.builtin.memory_store import MemoryStore
 from agl_core.config import GatewayConfig
 from agl_core.data import Task
 from agl_core.gateway import Gateway
+from agl_core.gateway.tool_calls import (HERMES, PYTHONIC, forced_opening, parse_forced_call, parse_tool_calls,
+                                         template_messages, tool_format)
 from agl_core.store import NewRollout
 
 from agl_plugin_torch.backend import create
 from agl_plugin_torch.modeling import CHAT_TEMPLATE
 from agl_plugin_torch.settings import TorchConfig
 from agl_plugin_torch.testing import tiny_section
-from agl_plugin_torch.tools import (HERMES, PYTHONIC, forced_opening, parse_forced_call, parse_tool_calls,
-                                    template_messages, tool_format)
 
 GUESS = {"type": "function", "function": {"name": "guess", "description": "Guess the secret.", "parameters": {
     "type": "object", "properties": {"number": {"type": "integer"}}, "required": ["number"]}}}

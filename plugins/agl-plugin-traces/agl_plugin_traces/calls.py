@@ -42,6 +42,8 @@ class Call:
     reward: float | None = None
     agent_name: str | None = None
     state_key: str | None = None
+    context: str | None = None  # how the gateway made the prompt (agl_core.gateway.contexts), and why
+    context_reason: str | None = None
 
 
 @dataclass
@@ -164,8 +166,10 @@ def rollout_calls(rollout: Rollout, counts: TraceCounts) -> list[Call]:
         logprobs = span.response_logprobs
         if logprobs is not None and type(logprobs) is not LogProbs:
             logprobs = LogProbs(logprobs)
-        calls.append(Call(prompt, response, logprobs, turn, None,
-                          attributes.get("agent_name") if attributes else None, state_keys.get(turn)))
+        attributes = attributes or {}
+        calls.append(Call(prompt, response, logprobs, turn, agent_name=attributes.get("agent_name"),
+                          state_key=state_keys.get(turn), context=attributes.get("context"),
+                          context_reason=attributes.get("context_reason")))
 
     if rewards:
         for span in rewards:

@@ -2,7 +2,22 @@
 
 When an agent's next prompt is not ``previous prompt + previous response +
 new tokens`` token for token, the trajectory aggregator starts a new row and
-counts the break under one class:
+counts the break under one class. When the gateway recorded how it made the
+call's prompt (``attributes["context"]``, :mod:`agl_core.gateway.context_record`),
+the class is what it saw:
+
+``agent_edit``
+    the agent changed its history (an earlier message, the model's reply),
+    changed its tools, started another conversation, or went back to an
+    earlier call: a break no rendering could avoid.
+``re_rendered``
+    the agent's history was unchanged, but the gateway sent it as text (no
+    tokenizer, a template that renders the past differently, a request option
+    the token path cannot carry) and the server's rendering differs from what
+    the model sampled.
+
+Otherwise (exact contexts off, spans of an older gateway) the tokens are
+compared, with the tokenizer of ``plugins.traces.tokenizer``:
 
 ``template``
     the non-special tokens still extend the context; only special tokens
@@ -25,7 +40,9 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
-CLASSES = ("template", "retokenization", "other", "unclassified")
+from agl_core.gateway.context_record import AGENT_REASONS, EXACT, REBUILT
+
+CLASSES = ("agent_edit", "re_rendered", "template", "retokenization", "other", "unclassified")
 
 
 class Tokenizer(Protocol):
@@ -36,8 +53,17 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+def recorded_class(context: str | None, reason: str | None) -> str | None:
+    """The class of a break at a call whose span says how the gateway made its prompt; None when it does not."""
+    if context == EXACT:
+        return "agent_edit"  # an exact continuation of another call than the previous one: the agent went back
+    if context == REBUILT:
+        return "agent_edit" if reason in AGENT_REASONS else "re_rendered"
+    return None
+
+
 def classify_break(context: list[int], prompt: list[int], tokenizer: Tokenizer | None) -> str:
-    """The class (one of :data:`CLASSES`) of a ``prompt`` that does not start with ``context``."""
+    """The class (one of :data:`CLASSES`) of a ``prompt`` that does not start with ``context``, from the tokens."""
     if tokenizer is None:
         return "unclassified"
     special = set(tokenizer.all_special_ids)

@@ -29,8 +29,9 @@ class TracesConfig(BaseModel):
         0.0, description="reward of a succeeded rollout that reported none (None: skip such rollouts)")
     pad_token_id: int = Field(0, ge=0, description="token id written in padded positions")
     tokenizer: str | None = Field(
-        None, description="Hugging Face tokenizer name or path, to classify prefix breaks (template / "
-                          "retokenization / other); without it breaks are counted as 'unclassified'")
+        None, description="Hugging Face tokenizer name or path, to classify the prefix breaks of calls the gateway "
+                          "did not classify (exact contexts off): template / retokenization / other; without it "
+                          "they are counted as 'unclassified'")
     mismatch_log_dir: str | None = Field(
         None, description="append every prefix break to <dir>/mismatches.jsonl (relative to the run directory)")
     drop_zero_variance_groups: bool = Field(

@@ -28,7 +28,7 @@ from typing import Any, Literal
 from agl_core.data import Batch, Rollout, TokenIds
 
 from agl_plugin_traces.calls import TraceCounts, call_columns, trainable_rollouts
-from agl_plugin_traces.mismatch import CLASSES, Tokenizer, classify_break, first_difference
+from agl_plugin_traces.mismatch import CLASSES, Tokenizer, classify_break, first_difference, recorded_class
 from agl_plugin_traces.rows import RowBuilder
 
 
@@ -101,10 +101,12 @@ def trajectory_batch(rollouts: Iterable[Rollout], max_prompt_length: int, max_re
                 broken = True
                 context = previous.prompt_ids.tolist() + previous.response_ids.tolist()
                 prompt_list = prompt.tolist()
-                kind = classify_break(context, prompt_list, tokenizer)
+                kind = (recorded_class(call.context, call.context_reason)
+                        or classify_break(context, prompt_list, tokenizer))
                 breaks.by_class[kind] += 1
                 if breaks.records is not None:
                     breaks.records.append({"rollout_id": rollout_id, "turn_index": call.turn, "class": kind,
+                                           "context_reason": call.context_reason,
                                            "first_difference": first_difference(context, prompt_list),
                                            "context_ids": context, "prompt_ids": prompt_list})
             rows.begin(prompt, overflow_to_response=overflow_to_response and i > 0)

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from agl_core.gateway.context_record import EDITED, NEW_CONVERSATION
 from agl_plugin_traces.mismatch import classify_break
 from agl_plugin_traces.trajectory import trajectory_batch
 from traces_testkit import conversation, llm, logprobs_of, reward, rollout, rows, score_at
@@ -239,3 +240,18 @@ def test_a_batch_of_few_rows_does_not_keep_the_reservation_for_many():
     batch, _, _ = trajectory_batch(rollouts, 12, 24)
     assert len(batch) == 5  # the first rollout breaks once
     assert batch["input_ids"].untyped_storage().nbytes() == batch["input_ids"].numel() * 8
+
+
+@pytest.mark.parametrize("attributes, kind", [
+    ({"context": "rebuilt", "context_reason": EDITED}, "agent_edit"),
+    ({"context": "rebuilt", "context_reason": NEW_CONVERSATION}, "agent_edit"),
+    ({"context": "exact"}, "agent_edit"),  # an exact continuation of an older call: the agent went back
+    ({"context": "rebuilt", "context_reason": "the policy server names no local model directory"}, "re_rendered"),
+    ({}, "unclassified"),  # no word from the gateway and no tokenizer: as before
+])
+def test_the_gateways_record_tells_an_agents_edit_from_a_re_rendering(attributes, kind):
+    second = llm(1, [9, 9], [12], **attributes)
+    _, metrics, breaks = trajectory_batch([rollout([llm(0, [1, 2], [10]), second])], 4, 16, keep_break_records=True)
+    assert metrics[f"training/mismatch/{kind}"] == 1 and metrics["training/n_unmerged_rollouts"] == 1
+    assert breaks.records[0]["class"] == kind
+    assert breaks.records[0]["context_reason"] == attributes.get("context_reason")

@@ -93,9 +93,6 @@ def _sampling(field: str) -> Callable[[Recipe], float]:
     return value
 
 
-LORA_MERGE = "actor_rollout_ref.model.lora.merge"
-"""verl's switch that merges the LoRA adapter into the weights synced to the rollout servers."""
-
 LORA = "lora"
 """The plugin (agl-plugin-lora) whose recipe section ``plugins.lora`` drives verl's LoRA options."""
 
@@ -256,9 +253,24 @@ CPU_DEFAULTS: dict[str, Any] = {
 """Further defaults when ``plugins.verl`` sets ``trainer.device: cpu`` (the CPU workers of ``cpu.py``)."""
 
 
-def required_settings(version) -> dict[str, Any]:
-    """verl keys this plugin must set to drive verl's engine workers (not overridable)."""
-    return {"trainer.use_legacy_worker_impl": "disable"} if is_verl_0_7(version) else {}
+LORA_MERGE = "actor_rollout_ref.model.lora.merge"
+"""verl's switch that merges the trained adapter into the base weights it syncs to the rollout servers."""
+
+
+def required_settings(version, recipe: Recipe | None = None) -> dict[str, Any]:
+    """verl keys this plugin must set to drive verl's engine workers (not overridable).
+
+    With LoRA (plugin ``lora``), the adapter is merged into the weights synced
+    to the rollout servers (``model.lora.merge``): vLLM's OpenAI routes apply
+    an unmerged adapter only to a request whose ``model`` names it, and the
+    agents' calls name ``rollout.model``, so without the merge the gateway's
+    calls would be served by the base model while the actor trains the
+    adapter (samples off-policy, log-probs not the actor's).
+    """
+    required: dict[str, Any] = {"trainer.use_legacy_worker_impl": "disable"} if is_verl_0_7(version) else {}
+    if recipe is not None and lora_section(recipe) is not None:
+        required[LORA_MERGE] = True
+    return required
 
 
 def check_overrides(overrides: dict[str, Any], translated: dict[str, tuple[Any, str]],
@@ -318,7 +330,7 @@ def build_verl_config(recipe: Recipe, section: VerlSection | Mapping[str, Any] |
     raw = section.root if isinstance(section, VerlSection) else dict(section or {})
     overrides = dict(flatten(raw))
     translated = translate(recipe)
-    required = required_settings(version)
+    required = required_settings(version, recipe)
     check_overrides(overrides, translated, required)
     cfg = verl_defaults()
     for verl_key, (value, agl_key) in translated.items():
@@ -326,10 +338,6 @@ def build_verl_config(recipe: Recipe, section: VerlSection | Mapping[str, Any] |
     cpu = CPU_DEFAULTS if overrides.get("trainer.device") == "cpu" else {}
     for key, value in {**DEFAULTS, **cpu, **required}.items():
         _set(cfg, key, value, "agl-plugin-verl")
-    if lora_section(recipe) is not None and LORA_MERGE not in {key.lstrip("+") for key in overrides}:
-        # Agents call vLLM's OpenAI routes, which apply an unmerged adapter only to a request naming it: the
-        # adapter merged into the synced weights is what they are served (verl's generate() path needs neither).
-        _set(cfg, LORA_MERGE, True, f"agl-plugin-verl (plugin {LORA!r} active)")
     for key, value in overrides.items():
         _set(cfg, key, value, f"plugins.verl.{key.lstrip('+')}")
     OmegaConf.resolve(cfg)

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed
 
+from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine import BaseEngine, EngineRegistry
 from verl.workers.engine.base import BaseEngineCtx
@@ -224,7 +225,28 @@ class CpuEngine(BaseEngine):
         """Nothing to move: the model never leaves the CPU."""
 
     def get_per_tensor_param(self, **kwargs):
+        """The weights verl's worker syncs to its rollout servers (``update_weights``), as verl's FSDP engine
+        exports them: with LoRA and ``model.lora.merge``, the adapter merged into the base weights under their
+        Hugging Face names (the module itself left unmerged: it goes on training the adapter); otherwise the
+        module's parameters."""
+        if self.is_lora and self.model_config.lora.get("merge", False):
+            return self._merged_lora_params(), None
         return ((name, param.detach()) for name, param in self.module.named_parameters()), None
+
+    def _merged_lora_params(self) -> list[tuple[str, torch.Tensor]]:
+        # verl's own merge steps (merged_lora_context without its FSDP gathering): back up the base weights,
+        # merge, copy out, restore the backup (no unmerge drift).
+        from verl.utils.fsdp_utils import (_clean_merged_lora_, _merge_or_unmerge_lora_, backup_base_model_weights,
+                                           normalize_peft_param_name, restore_base_model_weights)
+
+        backup = backup_base_model_weights(self.module)
+        _merge_or_unmerge_lora_(self.module, merge=True)
+        try:
+            return [(name, param.detach().clone())
+                    for name, param in normalize_peft_param_name(self.module.state_dict()).items()]
+        finally:
+            restore_base_model_weights(self.module, backup)
+            _clean_merged_lora_(self.module)
 
 
 def _lora_module(engine: CpuEngine, module: torch.nn.Module) -> torch.nn.Module:
@@ -310,3 +332,10 @@ class CpuActorRolloutRefWorker(BridgeMixin, ActorRolloutRefWorker):
         self.install_bridge(agl_registrations)
         prepare_cpu_process()
         super().__init__(config, role, **kwargs)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def synced_weights(self) -> dict[str, torch.Tensor]:
+        """The weights ``update_weights`` would send this worker's rollout server (the CPU path has none to send
+        them to): what a vLLM server would then serve, to be checked against the actor."""
+        params, _ = self.actor.engine.get_per_tensor_param()
+        return dict(params)

@@ -195,14 +195,16 @@ def test_without_a_kl_term_there_is_no_reference_slot():
     verl_plugin.check_lora_reference(ctx)
 
 
-def test_the_adapter_is_merged_into_the_weights_the_rollout_servers_serve():
-    """Agents call vLLM's OpenAI routes, which apply an unmerged adapter only to requests naming it: with plugin
-    lora the adapter is merged into the synced weights, unless plugins.verl says otherwise."""
+def test_the_rollout_servers_serve_the_trained_adapter_merged():
+    """verl's vLLM routes apply an unmerged adapter only to calls that name it; agents' calls name rollout.model, so
+    the adapter is merged into the synced weights (model.lora.merge), and no recipe can turn that off."""
     from agl_plugin_verl.rollout import sleep_keeps_weights
 
     cfg = verl_lora_config()
     assert cfg.actor_rollout_ref.model.lora.merge is True
     assert not sleep_keeps_weights(cfg)  # merged: a full model's weights, discarded asleep and synced at each wake
-    assert verl_lora_config(**{"actor_rollout_ref.model.lora.merge": False}).actor_rollout_ref.model.lora.merge is False
-    recipe, _ = load(None, [], plugin_flags=["verl"])
-    assert build_verl_config(recipe, {}).actor_rollout_ref.model.lora.merge is False  # no plugin lora: verl's default
+    recipe, _ = lora_recipe()
+    with pytest.raises(ConfigError, match="lora.merge"):
+        build_verl_config(recipe, {"actor_rollout_ref": {"model": {"lora": {"merge": False}}}})
+    plain, _ = load(None, [], plugin_flags=["verl"])
+    assert build_verl_config(plain, {}).actor_rollout_ref.model.lora.merge is False  # no adapter: verl's default

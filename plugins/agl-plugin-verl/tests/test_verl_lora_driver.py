@@ -39,11 +39,15 @@ def probe_batch() -> Batch:
                           "position_ids": mask.cumsum(-1) - 1, "response_mask": torch.ones_like(responses)})
 
 
-def base_logprobs(model_dir) -> torch.Tensor:
-    """The response log-probs of :func:`probe_batch` under the base model, loaded apart in this process."""
+def base_logprobs(model_dir, weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """The response log-probs of :func:`probe_batch` under the base model, loaded apart in this process (with
+    ``weights`` loaded over it when given: the weights a rollout server would serve)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if weights is not None:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        assert not unexpected and all("lm_head" in key for key in missing), (missing, unexpected)  # lm_head: tied
     batch = probe_batch()
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
@@ -61,6 +65,7 @@ class ReferenceProbe:
     def __init__(self):
         self.records: list[tuple[int, str, torch.Tensor, torch.Tensor]] = []
         self.groups = None
+        self.synced: dict[int, dict[str, torch.Tensor]] = {}  # step -> the weights rank 0 would sync at its end
 
     def measure(self, ctx, step: int, when: str) -> None:
         from agl_plugin_verl import calls
@@ -79,6 +84,7 @@ class ReferenceProbe:
     @hookimpl
     def on_step_end(self, ctx, step, metrics):
         self.measure(ctx, step, "end")
+        self.synced[step] = self.groups.actor.synced_weights()[0]
 
 
 def train(run_dir, model_dir, total_steps: int, resume: str):
@@ -133,3 +139,16 @@ def test_the_checkpoint_holds_the_adapter_and_resumes_it(runs):
     (saved,) = [actor for step, when, _, actor in first.records if (step, when) == (2, "end")]
     (restored,) = [actor for step, when, _, actor in resumed.records if (step, when) == (3, "start")]
     torch.testing.assert_close(restored, saved, atol=1e-6, rtol=0)  # the resumed actor holds the saved adapter
+
+
+def test_the_rollout_servers_would_serve_the_trained_adapter_merged(runs):
+    """What verl syncs to its vLLM servers (model.lora.merge, which the plugin sets) scores the probe as the actor
+    does, not as the base model: agents' calls, which do not name the adapter, are served by the trained policy."""
+    _, model_dir, (_, probe, _), _ = runs
+    actor = {step: logprobs for step, when, _, logprobs in probe.records if when == "end"}
+    base = base_logprobs(model_dir)
+    for step, weights in probe.synced.items():
+        assert not any("lora" in name for name in weights)  # plain Hugging Face names: a vLLM weight update
+        served = base_logprobs(model_dir, weights)
+        torch.testing.assert_close(served, actor[step], atol=1e-5, rtol=0, msg=f"step {step}")
+    assert (served - base).abs().max() > 1e-3  # the trained adapter, not the base model

@@ -1,4 +1,4 @@
-"""Tool calls on the embedded backend: tools rendered by the chat template, calls parsed back into ``tool_calls``.
+"""Tool calls in chat templates: tools rendered by the chat template, calls parsed back into ``tool_calls``.
 
 A chat request's ``tools`` go to the tokenizer's chat template
 (``apply_chat_template(..., tools=...)``) with the messages, whose
