@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from agl_core.agents import LLM, RolloutScope, agent_name, as_reward, rollout_scope
 from agl_core.data import Rollout, Task
-from agl_core.gateway.context_record import EXACT, REBUILT
+from agl_core.context_record import EXACT, REBUILT
 from agl_core.store import FAILED, QUEUING, RUNNING, SPANS_LOST, SUCCEEDED, TIMED_OUT, Attempt, NewRollout, Store
 
 log = logging.getLogger("agl_core.runner")

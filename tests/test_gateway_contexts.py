@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from agl_core.gateway.chat_template import ChatTemplate
-from agl_core.gateway.context_record import EDITED, EXACT, FIRST, NEW_CONVERSATION, REBUILT, TOOLS_CHANGED
+from agl_core.context_record import EDITED, EXACT, FIRST, NEW_CONVERSATION, REBUILT, TOOLS_CHANGED
 from agl_core.gateway.contexts import ExactContexts, chat_answer, completion_request, message_key
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -174,10 +174,11 @@ def two_turns(endpoint, tokenizer: str | None):
 
     store = MemoryStore()
     store.enqueue([NewRollout("r1", Task(id="t", input={}))])
-    store.dequeue("w", lease_s=60)
+    lease = store.dequeue("w", lease_s=60).lease
     server = Gateway(store, GatewayConfig(tokenizer=tokenizer), upstreams=[endpoint.url]).serve()
     try:
-        client = openai.OpenAI(base_url=Gateway.base_url(server.url, "r1", "1"), api_key="unused", max_retries=0)
+        client = openai.OpenAI(base_url=Gateway.base_url(server.url, "r1", "1", lease), api_key="unused",
+                               max_retries=0)
         messages = [{"role": "user", "content": "hi"}]
         reply = client.chat.completions.create(model="m", messages=messages, max_tokens=4)
         messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]

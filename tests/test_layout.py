@@ -28,7 +28,7 @@ ROOMS: list[tuple[str, list[str], set[str]]] = [
     # agl_core.http and agl_core.rollout: the packages of the layout (issue 43), their modules listed by name too
     ("http serving", ["agl_core.http", "agl_core.http_server", "agl_core.http_limits"], {"http rules", "contract"}),
     ("rollout", ["agl_core.rollout", "agl_core.agents", "agl_core.store", "agl_core.tasks", "agl_core.runner", "agl_core.store_client",
-                 "agl_core.store_server", "agl_core.span_batcher", "agl_core.staleness"],
+                 "agl_core.store_server", "agl_core.span_batcher", "agl_core.staleness", "agl_core.context_record"],
      {"http rules", "contract", "http serving"}),
     ("gateway", ["agl_core.gateway"], {"http rules", "contract", "http serving", "rollout"}),
     ("public names", ["agl_core"], {"contract", "rollout"}),

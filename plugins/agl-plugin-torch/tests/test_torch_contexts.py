@@ -15,7 +15,7 @@ from agl_core.builtin.memory_store import MemoryStore
 from agl_core.config import GatewayConfig
 from agl_core.data import Rollout, Task
 from agl_core.gateway import Gateway
-from agl_core.gateway.context_record import EDITED, EXACT, FIRST, REBUILT
+from agl_core.context_record import EDITED, EXACT, FIRST, REBUILT
 from agl_core.runner import context_metrics
 from agl_core.store import NewRollout
 from agl_plugin_traces.trajectory import trajectory_batch
@@ -42,19 +42,28 @@ def served(tmp_path_factory):
     backend.stop_serving()
 
 
+LEASES: dict[str, str] = {}
+"""The lease token of each rollout's running attempt, as the runner hands it to the agent."""
+
+
+def dequeue(store, n=1):
+    for _ in range(n):
+        attempt = store.dequeue("w", lease_s=60)
+        LEASES[attempt.rollout_id] = attempt.lease
+
+
 @pytest.fixture
 def gateway(served):
     store = MemoryStore()
     store.enqueue([NewRollout(r, Task(id="t", input={})) for r in ROLLOUTS])
-    for _ in ROLLOUTS:
-        store.dequeue("w", lease_s=60)
+    dequeue(store, len(ROLLOUTS))
     server = Gateway(store, GatewayConfig(), upstreams=[served.url]).serve()
     yield store, server
     server.stop()
 
 
 def openai_client(server, rollout="r0"):
-    return OpenAI(base_url=Gateway.base_url(server.url, rollout, "1"), api_key="unused", max_retries=0, timeout=60)
+    return OpenAI(base_url=Gateway.base_url(server.url, rollout, "1", LEASES[rollout]), api_key="unused", max_retries=0, timeout=60)
 
 
 def calls(store, rollout="r0"):
@@ -176,7 +185,7 @@ def test_a_streamed_tool_call_on_the_token_path_is_parsed_at_its_end(served, gat
 
 def test_the_anthropic_and_responses_routes_keep_exact_contexts(served, gateway):
     store, server = gateway
-    anthropic = Anthropic(base_url=Gateway.base_url(server.url, "r1", "1")[:-len("/v1")], api_key="unused",
+    anthropic = Anthropic(base_url=Gateway.base_url(server.url, "r1", "1", LEASES["r1"])[:-len("/v1")], api_key="unused",
                           max_retries=0, timeout=60)
     messages = [{"role": "user", "content": "guess a number"}]
     for _ in range(3):
@@ -249,7 +258,7 @@ def test_a_retried_call_continues_the_same_context(served, gateway):
 def test_exact_contexts_can_be_switched_off(served):
     store = MemoryStore()
     store.enqueue([NewRollout("r0", Task(id="t", input={}))])
-    store.dequeue("w", lease_s=60)
+    dequeue(store)
     server = Gateway(store, GatewayConfig(exact_contexts=False), upstreams=[served.url]).serve()
     try:
         play(openai_client(server), [{"role": "user", "content": "guess a number"}], turns=2)
