@@ -1,0 +1,106 @@
+"""The teacher's log-prob of every response token of a batch, asked of an endpoint that scores given tokens.
+
+Each row's real tokens (prompt + response, as the student saw and sampled
+them) go as a completions ``prompt`` of token ids with ``prompt_logprobs: 0``
+(vLLM's extension; the embedded backend answers it too), ``rows_per_request``
+rows per request and ``concurrency`` requests at once, each retried by the
+openai client. The answer's log-probs of the response positions become the
+column ``teacher_log_probs`` (``(rows, response_length)``, 0 past a row's
+response). Any failure — an error after the retries, an answer with other
+token ids or too few log-probs, a token the teacher decodes unlike the
+student (another tokenizer) — raises :class:`TeacherError` naming the teacher.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from agl_plugin_teachers.endpoints import Served
+
+
+class TeacherError(RuntimeError):
+    """The teacher could not score a batch: the step fails with this, which names the teacher."""
+
+
+def row_sequences(batch) -> list[tuple[list[int], int]]:
+    """Per row: its real token ids (prompt then response) and how many of them are the response."""
+    prompt_width = batch["prompts"].shape[1]
+    mask = batch["attention_mask"].bool()
+    ids = batch["input_ids"]
+    return [(ids[i][mask[i]].tolist(), int(mask[i, prompt_width:].sum())) for i in range(len(batch))]
+
+
+class TeacherScorer:
+    """Scores batches with one teacher (:class:`Served`); ``student_tokenizer`` (optional) checks its tokens."""
+
+    def __init__(self, served: Served, rows_per_request: int, student_tokenizer: Any | None = None):
+        self.served, self.rows_per_request, self.student_tokenizer = served, rows_per_request, student_tokenizer
+        self.pool = ThreadPoolExecutor(served.config.concurrency, thread_name_prefix="agl-teacher")
+        self.checked_decoding = student_tokenizer is None
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.served.close()
+
+    def score(self, sequences: list[tuple[list[int], int]], width: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """``(teacher_log_probs (rows, width), metrics)`` of the response tokens of ``sequences``."""
+        start = time.perf_counter()
+        chunks = [sequences[i:i + self.rows_per_request] for i in range(0, len(sequences), self.rows_per_request)]
+        out = torch.zeros((len(sequences), width), dtype=torch.float32)
+        row = 0
+        for chunk, answer in zip(chunks, self.pool.map(self._request, chunks)):
+            for (ids, n_response), choice in zip(chunk, answer):
+                out[row, :n_response] = torch.tensor(self._response_logprobs(choice, ids, n_response, row))
+                row += 1
+        tokens = sum(n for _, n in sequences)
+        return out, {"teacher/requests": float(len(chunks)), "teacher/tokens": float(tokens),
+                     "timing_s/teacher": time.perf_counter() - start}
+
+    def _request(self, chunk: list[tuple[list[int], int]]) -> list[dict[str, Any]]:
+        served = self.served
+        try:
+            reply = served.client.completions.create(
+                model=served.config.model, prompt=[ids for ids, _ in chunk], max_tokens=1, temperature=0.0,
+                extra_body={"prompt_logprobs": 0})
+        except Exception as exc:  # noqa: BLE001 - the step fails naming the teacher
+            raise TeacherError(f"the {served.name()} failed to score {len(chunk)} rows (after "
+                               f"{served.config.max_retries} retries): {exc}") from exc
+        choices = sorted(reply.choices, key=lambda c: c.index)
+        if len(choices) != len(chunk):
+            raise TeacherError(f"the {served.name()} answered {len(choices)} choices for {len(chunk)} prompts")
+        return [c.model_dump() for c in choices]
+
+    def _response_logprobs(self, choice: dict[str, Any], ids: list[int], n_response: int, row: int) -> list[float]:
+        name = self.served.name()
+        scored = choice.get("prompt_logprobs")
+        if not isinstance(scored, list) or len(scored) != len(ids):
+            got = len(scored) if isinstance(scored, list) else type(scored).__name__
+            raise TeacherError(f"the {name} answered row {row} with prompt_logprobs of {got} entries for "
+                               f"{len(ids)} tokens: it does not score given tokens (vLLM's prompt_logprobs)")
+        echoed = choice.get("prompt_token_ids")
+        if echoed is not None and list(echoed) != ids:
+            raise TeacherError(f"the {name} scored other token ids than row {row}'s (it re-tokenized the prompt)")
+        out = []
+        for position in range(len(ids) - n_response, len(ids)):
+            entry = scored[position] or {}
+            found = entry.get(str(ids[position]))
+            if not isinstance(found, dict) or not isinstance(found.get("logprob"), int | float):
+                raise TeacherError(f"the {name} gave no log-prob of token {ids[position]} at position {position} "
+                                   f"of row {row}")
+            if not self.checked_decoding and "decoded_token" in found:
+                self._check_decoding(ids[position], found["decoded_token"])
+            out.append(float(found["logprob"]))
+        self.checked_decoding = True
+        return out
+
+    def _check_decoding(self, token: int, decoded: str) -> None:
+        ours = self.student_tokenizer.decode([token])
+        if ours != decoded:
+            raise TeacherError(f"the {self.served.name()} decodes token {token} as {decoded!r}, the student as "
+                               f"{ours!r}: teacher and student have different tokenizers, and a teacher's "
+                               f"log-probs of the student's tokens would be of other text. Distil from a teacher "
+                               f"with the student's tokenizer")
