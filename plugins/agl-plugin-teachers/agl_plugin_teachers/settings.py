@@ -101,8 +101,16 @@ class SftConfig(_Section):
 class TranscriptsConfig(_Section):
     """The section ``plugins.transcripts``: an offline dataset of transcripts in place of agents."""
 
-    path: str = Field(description="a JSONL file of {\"messages\": [...], \"tools\": [...]?, \"reward\": x?} "
-                                  "lines, or a store's SQLite file (an earlier run's rollouts)")
-    tokenizer: str | None = Field(None, description="the tokenizer directory whose chat template renders the "
+    tokenizer: str | None = Field(None, description="the tokenizer directory whose chat template renders chat "
                                                     "messages (default: the policy's, from plugins.torch)")
-    min_reward: float | None = Field(None, description="a store's rollouts: keep those with at least this reward")
+    reward: float = Field(1.0, description="the reward of a chat transcript that states none")
+    store: str | None = Field(None, description="an earlier run's SQLite store file: a task's transcripts are "
+                                                "its rollouts there")
+    min_reward: float | None = Field(None, description="store: keep the rollouts with at least this reward")
+
+    @model_validator(mode="after")
+    def _store_exists(self):
+        if self.store is not None and not Path(self.store).is_file():
+            raise ValueError(f"store {self.store!r} is not a file (an earlier run's SQLite store, e.g. "
+                             f"runs/NAME/rollouts.sqlite)")
+        return self
