@@ -88,6 +88,8 @@ class JudgeConfig(EndpointConfig):
     temperature: float = Field(0.0, ge=0)
     transcript_chars: int = Field(20000, ge=100, description="the transcript is cut to its last this many "
                                                              "characters")
+    tokenizer: str | None = Field(None, description="the tokenizer directory that decodes the rollouts' token ids "
+                                                    "into the transcript (default: the policy's, from plugins.torch)")
 
 
 class SftConfig(_Section):
