@@ -91,5 +91,5 @@ def test_a_run_whose_judge_answers_garbage_trains_on_nothing(tmp_path, checkpoin
     for step in (1, 2):
         # garbage, or a 400 for a transcript longer than the tiny judge's context: every game marked either way
         assert metrics[step]["judge/n_garbage"] + metrics[step]["judge/n_failed"] == 4
-        assert metrics[step]["judge/n_garbage"] > 0 and metrics[step]["judge/n_scored"] == 0
+        assert metrics[step]["judge/n_scored"] == 0
         assert metrics[step]["training/skipped_step"] == 1.0
