@@ -115,3 +115,28 @@ def test_reverse_kl_advantages_by_hand():
     # KL(student || teacher) per token: mean of student - teacher over the 6 response tokens
     assert reverse_kl(teacher, student, mask) == pytest.approx((-0.5 + 1.0 + 0 - 0.2 + 0.2 + 0) / 6)
     assert math.isclose(reverse_kl(teacher, teacher, mask), 0.0)
+
+
+def test_the_embedded_endpoints_scoring_route_checks_its_requests(checkpoint):
+    """Bad scoring requests are a 400 naming the field; a list of prompts gets a choice each."""
+    import httpx
+
+    served = Served(TeacherConfig(model_path=str(checkpoint)), "teacher")
+    try:
+        url = served.url + "/completions"
+        for body, field in (({"prompt": [5, 6], "prompt_logprobs": -1}, "'prompt_logprobs'"),
+                            ({"prompt": [5, 6], "prompt_logprobs": True}, "'prompt_logprobs'"),
+                            ({"prompt": [[5, 6], []], "prompt_logprobs": 0}, "'prompt[1]'"),
+                            ({"prompt": [5, 10**6], "prompt_logprobs": 0}, "'prompt' token ids"),
+                            ({"prompt": [[1] * 65], "prompt_logprobs": 0}, "65 tokens")):
+            reply = httpx.post(url, json=body, timeout=30)
+            assert reply.status_code == 400 and field in reply.json()["error"]["message"], (body, reply.text)
+        reply = httpx.post(url, json={"prompt": [[5, 6, 7], [8, 9]], "prompt_logprobs": 2}, timeout=30).json()
+        first, second = reply["choices"]
+        assert first["prompt_logprobs"][0] is None and len(first["prompt_logprobs"]) == 3
+        assert len(second["prompt_logprobs"]) == 2 and second["prompt_token_ids"] == [8, 9]
+        entry = first["prompt_logprobs"][1]
+        assert "6" in entry and 1 <= entry["6"]["rank"] and len(entry) <= 3  # the token and 2 alternatives
+        assert reply["usage"] == {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}
+    finally:
+        served.close()
