@@ -4,7 +4,6 @@ Enable it and pick its estimator::
 
     algorithm: {estimator: distill}
     plugins:
-      enable: [distill]
       distill:
         teacher: {model_path: runs/teacher/export}    # or {endpoint: http://host:8000/v1, model: big}
         reward_weight: 0.0                             # > 0: mixed with the reward's advantages
@@ -48,7 +47,7 @@ class DistillEstimator:
 
         if "teacher_log_probs" not in batch:
             raise PluginError("the estimator 'distill' needs the column teacher_log_probs: enable the plugin "
-                              "distill (plugins.enable: [distill]) with a teacher in plugins.distill")
+                              "distill with a teacher in its section plugins.distill")
         s = self.settings
         advantages = s.coef * reverse_kl_advantages(batch["teacher_log_probs"], batch["old_log_probs"],
                                                     batch["response_mask"], s.discount)

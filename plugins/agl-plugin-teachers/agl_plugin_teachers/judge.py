@@ -3,7 +3,6 @@
 Enable it::
 
     plugins:
-      enable: [judge]
       judge:
         endpoint: http://127.0.0.1:8000/v1     # or model_path: a local checkpoint the embedded backend serves
         model: judge

@@ -5,7 +5,6 @@ Enable it and pick a loss::
 
     algorithm: {policy_loss: {name: sft}}          # or sft_ppo: PPO + plugins.sft.coef * SFT
     plugins:
-      enable: [sft]
       sft: {min_reward: 1.0}                      # rejection sampling: train on the won games only
 
 Hooks:
