@@ -13,6 +13,7 @@ student (another tokenizer) — raises :class:`TeacherError` naming the teacher.
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -63,16 +64,20 @@ class TeacherScorer:
     def _request(self, chunk: list[tuple[list[int], int]]) -> list[dict[str, Any]]:
         served = self.served
         try:
-            reply = served.client.completions.create(
+            # The raw answer's JSON, not the client's typed objects: a row's log-probs are a dict per token, and
+            # building pydantic models of them cost more than the teacher's forward pass.
+            raw = served.client.completions.with_raw_response.create(
                 model=served.config.model, prompt=[ids for ids, _ in chunk], max_tokens=1, temperature=0.0,
                 extra_body={"prompt_logprobs": 0})
+            choices = json.loads(raw.http_response.content).get("choices")
         except Exception as exc:  # noqa: BLE001 - the step fails naming the teacher
             raise TeacherError(f"the {served.name()} failed to score {len(chunk)} rows (after "
                                f"{served.config.max_retries} retries): {exc}") from exc
-        choices = sorted(reply.choices, key=lambda c: c.index)
-        if len(choices) != len(chunk):
-            raise TeacherError(f"the {served.name()} answered {len(choices)} choices for {len(chunk)} prompts")
-        return [c.model_dump() for c in choices]
+        if not isinstance(choices, list) or len(choices) != len(chunk) or \
+                not all(isinstance(c, dict) for c in choices):
+            got = len(choices) if isinstance(choices, list) else type(choices).__name__
+            raise TeacherError(f"the {served.name()} answered {got} choices for {len(chunk)} prompts")
+        return sorted(choices, key=lambda c: c.get("index", 0))
 
     def _response_logprobs(self, choice: dict[str, Any], ids: list[int], n_response: int, row: int) -> list[float]:
         name = self.served.name()

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-ROWS_PER_FORWARD = 8
-"""Sequences scored per forward pass: a pass holds (rows, length, vocabulary) floats of log-probs."""
+LOGPROB_BUDGET = 2**26
+"""Most log-prob floats one forward pass holds (rows x length x vocabulary, 256 MB): as many rows as fit are
+scored together, at least one."""
 
 
 @torch.no_grad()
@@ -29,8 +30,10 @@ def prompt_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]], to
     """
     device = next(model.parameters()).device
     out: list[list[tuple[float, int, list[tuple[int, float]]]]] = []
-    for start in range(0, len(prompts), ROWS_PER_FORWARD):
-        part = prompts[start:start + ROWS_PER_FORWARD]
+    vocabulary = model.get_output_embeddings().weight.shape[0]
+    rows_per_forward = max(1, LOGPROB_BUDGET // (max(len(p) for p in prompts) * vocabulary))
+    for start in range(0, len(prompts), rows_per_forward):
+        part = prompts[start:start + rows_per_forward]
         width = max(len(p) for p in part)
         ids = torch.full((len(part), width), pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(part), width), dtype=torch.long)
@@ -44,13 +47,13 @@ def prompt_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]], to
         chosen = log_probs.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
         ranks = (log_probs > chosen.unsqueeze(-1)).sum(-1) + 1
         top = log_probs.topk(top_k, dim=-1) if top_k else None
+        chosen, ranks = chosen.tolist(), ranks.tolist()  # one conversion for the whole part, not one per row
+        indices, values = (top.indices.tolist(), top.values.tolist()) if top is not None else (None, None)
         for row, prompt in enumerate(part):
             n = len(prompt) - 1
-            lps, rks = chosen[row, :n].tolist(), ranks[row, :n].tolist()
-            alternatives = ([list(zip(i, v)) for i, v in zip(top.indices[row, :n].tolist(),
-                                                           top.values[row, :n].tolist())]
-                            if top is not None else [[] for _ in range(n)])
-            out.append(list(zip(lps, rks, alternatives)))
+            alternatives = ([list(zip(i, v)) for i, v in zip(indices[row][:n], values[row][:n])]
+                            if top is not None else [()] * n)
+            out.append(list(zip(chosen[row][:n], ranks[row][:n], alternatives)))
     return out
 
 
@@ -58,10 +61,17 @@ def prompt_logprobs_field(scored: list[tuple[float, int, list[tuple[int, float]]
                           token_text: Callable[[int], str]) -> list[dict[str, Any] | None]:
     """vLLM's ``prompt_logprobs`` of one choice: None for the first token, then ``{id: {logprob, rank,
     decoded_token}}`` holding the given token and the alternatives."""
+    texts: dict[int, str] = {}  # a token's text, decoded once per answer (a decode costs more than the rest)
+
+    def text(token: int) -> str:
+        if token not in texts:
+            texts[token] = token_text(token)
+        return texts[token]
+
     field: list[dict[str, Any] | None] = [None]
     for token, (logprob, rank, alternatives) in zip(prompt[1:], scored):
-        entry = {str(t): {"logprob": lp, "rank": i + 1, "decoded_token": token_text(t)}
+        entry = {str(t): {"logprob": lp, "rank": i + 1, "decoded_token": text(t)}
                  for i, (t, lp) in enumerate(alternatives)}
-        entry[str(token)] = {"logprob": logprob, "rank": rank, "decoded_token": token_text(token)}
+        entry[str(token)] = {"logprob": logprob, "rank": rank, "decoded_token": text(token)}
         field.append(entry)
     return field
