@@ -49,7 +49,7 @@ def test_the_test_endpoint_teachers_log_probs_land_on_each_rows_response(endpoin
         expected = [response_logprob(ids[p], p) for p in range(len(ids) - n, len(ids))]
         assert log_probs[row, :n].tolist() == pytest.approx(expected)
         assert (log_probs[row, n:] == 0).all()
-    assert [len(r["prompt"]) for r in endpoint.requests] == [2, 1]
+    assert sorted(len(r["prompt"]) for r in endpoint.requests) == [1, 2]  # concurrent: in any order
     assert all(r["prompt_logprobs"] == 0 for r in endpoint.requests)
 
 
