@@ -14,8 +14,9 @@ For each: steps and seconds to validation reward ``--target`` (0.9), per seed. N
    and responses of 48 tokens, random ids), embedded backend: the teacher scoring over HTTP
    (``TeacherScorer``, the teacher served from its directory) beside the ``old_log_prob`` stage's forward
    (log-probs and entropy, the student's backend) on the same rows; medians of ``--repeats``. Goal: ratio <= 1.
-5. **``agl eval`` throughput** on the validation tasks (the teacher as ``--checkpoint``) beside the RL runs'
-   validation passes inside training (``timing_s/validate``): rollouts per second of each. Goal: ratio >= 1.
+5. **``agl eval`` throughput** on the validation tasks (the teacher as ``--checkpoint``, ``--eval-n`` rollouts a
+   task) beside the RL runs' validation passes inside training (``timing_s/validate``, median): rollouts per
+   second of each. Goal: ratio >= 1.
 
 Prints one JSON line. ``--quick`` runs a tiny version (1 seed, 2 steps) to check that everything works.
 """
@@ -95,17 +96,18 @@ def teacher_cost(teacher: Path, repeats: int) -> dict:
             "teacher_over_old_log_prob": round(teacher_s / old_s, 3)}
 
 
-def eval_throughput(teacher: Path, rl_runs: list[dict], work: Path) -> dict:
-    """Rollouts per second of ``agl eval`` on the validation tasks and of the RL runs' validation passes."""
+def eval_throughput(teacher: Path, rl_runs: list[dict], work: Path, n: int) -> dict:
+    """Rollouts per second of ``agl eval`` on the validation tasks (``n`` each) and of the RL runs' validation
+    passes (every one, the first included: both start cold)."""
     from agl_plugin_teachers.evaluation import evaluate
 
-    summary = evaluate(str(EXAMPLE / "recipe.yaml"), [], [], checkpoint=str(teacher), split="val",
+    summary = evaluate(str(EXAMPLE / "recipe.yaml"), [], [], checkpoint=str(teacher), split="val", n=n,
                        out=work / "eval" / "teacher.jsonl")
     passes = [r["timing_s/validate"] for run in rl_runs for r in read_records(Path(run["run_dir"]) / "metrics.jsonl")
               if "timing_s/validate" in r]
-    n_val = summary["n_rollouts"]
+    n_val = summary["n_tasks"]
     in_training = n_val / statistics.median(passes) if passes else None
-    return {"val_rollouts": n_val, "eval_rollouts_per_s": round(summary["rollouts_per_s"], 2),
+    return {"eval_rollouts": summary["n_rollouts"], "val_rollouts": n_val, "eval_rollouts_per_s": round(summary["rollouts_per_s"], 2),
             "validate_rollouts_per_s": None if in_training is None else round(in_training, 2),
             "eval_over_validate": None if in_training is None else round(summary["rollouts_per_s"] / in_training, 3),
             "eval_reward_mean": summary["reward_mean"]}
@@ -119,6 +121,7 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, default=20)
     parser.add_argument("--teacher", type=Path, help="a teacher model directory (default: RL seed 0's, exported)")
     parser.add_argument("--repeats", type=int, default=5, help="timings of the teacher-cost comparison")
+    parser.add_argument("--eval-n", type=int, default=8, help="agl eval's rollouts per validation task")
     parser.add_argument("--quick", action="store_true", help="1 seed, 2 steps, 1 SFT step: a check, not figures")
     parser.add_argument("--keep", type=Path, help="work in this directory and keep it (default: a temporary one)")
     args = parser.parse_args()
@@ -151,7 +154,7 @@ def main() -> None:
               "sft_steps": args.sft_steps, "rl": figures(rl), "distill": figures(distill),
               "sft_then_rl": {**figures(sft_rl), "sft_wall_s": [r["sft_wall_s"] for r in sft_rl]},
               "teacher_cost": teacher_cost(teacher, args.repeats),
-              "eval": eval_throughput(teacher, rl, work), "quick": args.quick}
+              "eval": eval_throughput(teacher, rl, work, args.eval_n), "quick": args.quick}
     print(json.dumps(result))
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import math
 import shutil
@@ -144,11 +145,15 @@ def evaluate(recipe_path: str, overrides: list[str], plugin_flags: list[str], *,
     ctx.run_dir.mkdir(parents=True)
     try:
         plugins.broadcast("on_train_start", ctx=ctx)
+        # As the trainer does: what start-up built (models, servers) out of the cyclic collector's sight.
+        gc.collect()
+        gc.freeze()
         start = time.perf_counter()
         # n rollouts per task: the task n times, through the validation path the recipe's runner takes
         rollouts = ctx.call("collect_rollouts", tasks=[t for t in tasks for _ in range(n)], mode="val")
         seconds = time.perf_counter() - start
     finally:
+        gc.unfreeze()
         for name, fn in plugins.implementations("on_train_end"):
             try:
                 call(fn, {"ctx": ctx})
