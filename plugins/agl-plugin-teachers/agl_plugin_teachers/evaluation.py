@@ -240,7 +240,7 @@ def load_summary(path: Path) -> dict[str, Any]:
 
 def compare(a: dict[str, Any], b: dict[str, Any], name_a: str = "A", name_b: str = "B") -> str:
     """A table of the two summaries' figures: A, B and B - A."""
-    keys = [k for k in a if isinstance(a[k], int | float) and isinstance(b.get(k), int | float)]
+    keys = [k for k in a if isinstance(a[k], int | float) and isinstance(b.get(k), int | float) and k != "n_tasks"]
     keys += [k for k in b if k not in a and k.startswith("pass@")]
     width = max(len(k) for k in keys) + 2
     lines = [f"{'':<{width}}{name_a[-24:]:>26}{name_b[-24:]:>26}{'B - A':>14}"]
