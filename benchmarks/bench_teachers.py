@@ -11,9 +11,10 @@ stage's cost; ``agl eval`` against a validation pass.
 For each: steps and seconds to validation reward ``--target`` (0.9), per seed. No goal on learning speed.
 
 4. **The teacher stage's cost** on one batch of the default recipe's shape (7 tasks x 24 games, prompts of 12
-   and responses of 48 tokens, random ids), embedded backend: the teacher scoring over HTTP
-   (``TeacherScorer``, the teacher served from its directory) beside the ``old_log_prob`` stage's forward
-   (log-probs and entropy, the student's backend) on the same rows; medians of ``--repeats``. Goal: ratio <= 1.
+   and responses of 48 tokens, random ids), embedded backend: the teacher stage of a ``model_path`` teacher
+   (``LocalTeacher``, in the trainer's process) beside the ``old_log_prob`` stage's forward (log-probs and
+   entropy, the student's backend) on the same rows, and the same teacher as an endpoint over HTTP
+   (``TeacherScorer``, the embedded endpoint's scoring route); medians of ``--repeats``. Goal: ratio <= 1.
 5. **``agl eval`` throughput** on the validation tasks (the teacher as ``--checkpoint``, ``--eval-n`` rollouts a
    task) beside the RL runs' validation passes inside training (``timing_s/validate``, median): rollouts per
    second of each. Goal: ratio >= 1.
@@ -59,12 +60,13 @@ def figures(runs: list[dict]) -> dict:
 
 
 def teacher_cost(teacher: Path, repeats: int) -> dict:
-    """Seconds of the teacher stage and of the old_log_prob forward on one batch of the default recipe's shape."""
+    """Seconds of the teacher stage (a model_path teacher in the trainer's process, and the same model as an
+    endpoint over HTTP) and of the old_log_prob forward on one batch of the default recipe's shape."""
     import torch
 
     from agl_plugin_teachers.endpoints import Served
     from agl_plugin_teachers.settings import TeacherConfig
-    from agl_plugin_teachers.teacher import TeacherScorer, row_sequences
+    from agl_plugin_teachers.teacher import LocalTeacher, TeacherScorer
     from agl_plugin_torch.backend import create
     from agl_plugin_torch.settings import TorchConfig
     from agl_plugin_torch.testing import rows
@@ -78,22 +80,24 @@ def teacher_cost(teacher: Path, repeats: int) -> dict:
         prompts = [torch.randint(3, vocab, (12,), generator=generator).tolist() for _ in range(168)]
         responses = [torch.randint(3, vocab, (48,), generator=generator).tolist() for _ in range(168)]
         batch = rows(prompts, responses, prompt_width=12, response_width=48)
-        scorer = TeacherScorer(Served(TeacherConfig(model_path=str(teacher), rows_per_request=64, concurrency=2),
-                                      "teacher"), 64)
+        config = TeacherConfig(model_path=str(teacher), rows_per_request=64, concurrency=2)
+        local = LocalTeacher(config, 64)  # forward_micro_batch_size's default: what old_log_prob uses
+        endpoint = TeacherScorer(Served(config, "teacher"), 64)
+        timings = {"old_log_prob": [], "local": [], "endpoint": []}
+        stages = {"old_log_prob": lambda: backend.logprobs(backend.actor, batch, with_entropy=True),
+                  "local": lambda: local.score_batch(batch), "endpoint": lambda: endpoint.score_batch(batch)}
         try:
-            old, teach = [], []
             for _ in range(repeats + 1):  # the first of each is a warm-up
-                start = time.perf_counter()
-                backend.logprobs(backend.actor, batch, with_entropy=True)
-                old.append(time.perf_counter() - start)
-                start = time.perf_counter()
-                scorer.score(row_sequences(batch), 48)
-                teach.append(time.perf_counter() - start)
+                for name, stage in stages.items():
+                    start = time.perf_counter()
+                    stage()
+                    timings[name].append(time.perf_counter() - start)
         finally:
-            scorer.close()
-    old_s, teacher_s = statistics.median(old[1:]), statistics.median(teach[1:])
-    return {"rows": 168, "old_log_prob_s": round(old_s, 4), "teacher_s": round(teacher_s, 4),
-            "teacher_over_old_log_prob": round(teacher_s / old_s, 3)}
+            endpoint.close()
+    old, local_s, endpoint_s = (statistics.median(timings[k][1:]) for k in ("old_log_prob", "local", "endpoint"))
+    return {"rows": 168, "old_log_prob_s": round(old, 4), "teacher_s": round(local_s, 4),
+            "teacher_over_old_log_prob": round(local_s / old, 3), "teacher_endpoint_s": round(endpoint_s, 4),
+            "teacher_endpoint_over_old_log_prob": round(endpoint_s / old, 3)}
 
 
 def eval_throughput(teacher: Path, rl_runs: list[dict], work: Path, n: int) -> dict:

@@ -5,7 +5,7 @@ Enable it and pick its estimator::
     algorithm: {estimator: distill}
     plugins:
       distill:
-        teacher: {model_path: runs/teacher/export}    # or {endpoint: http://host:8000/v1, model: big}
+        teacher: {model_path: runs/teacher_model}     # or {endpoint: http://host:8000/v1, model: big}
         reward_weight: 0.0                             # > 0: mixed with the reward's advantages
 
 Hooks:
@@ -19,8 +19,10 @@ Hooks:
   student)`` per token (:mod:`agl_plugin_teachers.distill_math`, the student's
   log-probs are ``old_log_probs``) plus ``reward_weight`` times the advantages
   of ``reward_estimator`` (grpo by default).
-* ``on_train_start``: serves a ``model_path`` teacher, checks that student and
-  teacher tokenize alike, refuses a run whose estimator is not ``distill``.
+* ``on_train_start``: loads a ``model_path`` teacher into this process (scored with
+  the embedded backend's forward pass, like ``old_log_prob``) or connects to an
+  endpoint teacher, checks that student and teacher tokenize alike, refuses a
+  run whose estimator is not ``distill``.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def register_estimators(register, settings):
 @hookimpl(trylast=True)  # after the backend's: the student's tokenizer exists then
 def on_train_start(ctx):
     from agl_plugin_teachers.endpoints import Served, load_tokenizer, student_tokenizer, tokenizer_fingerprint
-    from agl_plugin_teachers.teacher import TeacherScorer
+    from agl_plugin_teachers.teacher import LocalTeacher, TeacherScorer
 
     cfg: DistillConfig = ctx.plugin_config(NAME)
     if ctx.config.algorithm.estimator != ESTIMATOR:
@@ -83,28 +85,30 @@ def on_train_start(ctx):
         if cfg.reward_estimator == ESTIMATOR:
             raise PluginError("plugins.distill.reward_estimator cannot be 'distill' itself")
         estimator.reward = ctx.components.get("estimator", cfg.reward_estimator).obj
-    served = Served(cfg.teacher, "teacher")
     student = student_tokenizer(ctx)
-    teacher_tokenizer = served.tokenizer or (load_tokenizer(cfg.teacher.tokenizer) if cfg.teacher.tokenizer else None)
+    if cfg.teacher.model_path is not None:
+        teacher = LocalTeacher(cfg.teacher, cfg.teacher.rows_per_request)
+        teacher_tokenizer = teacher.tokenizer
+    else:
+        teacher = TeacherScorer(Served(cfg.teacher, "teacher"), cfg.teacher.rows_per_request, student)
+        teacher_tokenizer = load_tokenizer(cfg.teacher.tokenizer) if cfg.teacher.tokenizer else None
     if student is not None and teacher_tokenizer is not None and \
             tokenizer_fingerprint(student) != tokenizer_fingerprint(teacher_tokenizer):
-        served.close()
+        teacher.close()
         raise PluginError(f"the teacher ({cfg.teacher.describe()}) and the student have different tokenizers "
                           f"(vocabulary hashes {tokenizer_fingerprint(teacher_tokenizer)} and "
                           f"{tokenizer_fingerprint(student)}): the teacher's log-probs of the student's token ids "
                           f"would be of other text. Distil from a teacher with the student's tokenizer")
-    ctx.state[NAME] = TeacherScorer(served, cfg.teacher.rows_per_request, student)
+    ctx.state[NAME] = teacher
 
 
 @hookimpl
 def post_process_batch(ctx, batch):
     from agl_plugin_teachers.distill_math import reverse_kl
-    from agl_plugin_teachers.teacher import row_sequences
 
     if len(batch) == 0 or "input_ids" not in batch:
         return batch
-    scorer = ctx.state[NAME]
-    batch["teacher_log_probs"], metrics = scorer.score(row_sequences(batch), batch["responses"].shape[1])
+    batch["teacher_log_probs"], metrics = ctx.state[NAME].score_batch(batch)
     if "rollout_log_probs" in batch:
         metrics["teacher/reverse_kl"] = reverse_kl(batch["teacher_log_probs"], batch["rollout_log_probs"],
                                                    batch["response_mask"])

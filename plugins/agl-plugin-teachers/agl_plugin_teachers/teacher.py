@@ -1,7 +1,9 @@
 """The teacher's log-prob of every response token of a batch, asked of an endpoint that scores given tokens.
 
-Each row's real tokens (prompt + response, as the student saw and sampled
-them) go as a completions ``prompt`` of token ids with ``prompt_logprobs: 0``
+A ``model_path`` teacher is scored in the trainer's process
+(:class:`LocalTeacher`, the embedded backend's forward pass). An endpoint
+teacher (:class:`TeacherScorer`): each row's real tokens (prompt + response,
+as the student saw and sampled them) go as a completions ``prompt`` of token ids with ``prompt_logprobs: 0``
 (vLLM's extension; the embedded backend answers it too), ``rows_per_request``
 rows per request and ``concurrency`` requests at once, each retried by the
 openai client. The answer's log-probs of the response positions become the
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -46,6 +49,10 @@ class TeacherScorer:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.served.close()
+
+    def score_batch(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """``(teacher_log_probs (rows, response_length), metrics)`` of the batch's response tokens."""
+        return self.score(row_sequences(batch), batch["responses"].shape[1])
 
     def score(self, sequences: list[tuple[list[int], int]], width: int) -> tuple[torch.Tensor, dict[str, float]]:
         """``(teacher_log_probs (rows, width), metrics)`` of the response tokens of ``sequences``."""
@@ -109,3 +116,44 @@ class TeacherScorer:
                                f"{ours!r}: teacher and student have different tokenizers, and a teacher's "
                                f"log-probs of the student's tokens would be of other text. Distil from a teacher "
                                f"with the student's tokenizer")
+
+
+class LocalTeacher:
+    """A ``model_path`` teacher scored in the trainer's process with the embedded backend's forward pass (the one
+    the ``old_log_prob`` stage runs), in micro-batches of ``rows_per_forward`` rows: no HTTP, no copy of the rows
+    into JSON, so the stage costs what a forward pass of the teacher costs."""
+
+    def __init__(self, config, rows_per_forward: int):
+        from agl_plugin_torch import modeling
+        from agl_plugin_torch.settings import ModelConfig
+
+        self.config, self.rows_per_forward = config, rows_per_forward
+        self.model, self.tokenizer = modeling.load(
+            Path(config.model_path), ModelConfig(path=config.model_path, device=config.device, dtype=config.dtype))
+        self.model.requires_grad_(False)
+        self.device = next(self.model.parameters()).device
+
+    def name(self) -> str:
+        return f"teacher at model_path={self.config.model_path}"
+
+    def score_batch(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """``(teacher_log_probs (rows, response_length), metrics)`` of the batch's response tokens."""
+        from agl_plugin_torch.forward import response_logprobs
+
+        start = time.perf_counter()
+        parts = []
+        try:
+            with torch.no_grad():
+                for first in range(0, len(batch), self.rows_per_forward):
+                    rows = slice(first, first + self.rows_per_forward)
+                    inputs = [batch[key][rows].to(self.device) for key in
+                              ("input_ids", "attention_mask", "position_ids", "responses")]
+                    parts.append(response_logprobs(self.model, *inputs)[0].float().cpu())
+        except Exception as exc:  # noqa: BLE001 - the step fails naming the teacher
+            raise TeacherError(f"the {self.name()} failed to score {len(batch)} rows: {exc!r}") from exc
+        log_probs = torch.cat(parts) * batch["attention_mask"][:, batch["prompts"].shape[1]:].float()
+        return log_probs, {"teacher/tokens": float(batch["response_mask"].sum()),
+                           "timing_s/teacher": time.perf_counter() - start}
+
+    def close(self) -> None:
+        self.model = None

@@ -12,7 +12,7 @@ from agl_core.testing_endpoint import ByteTokenizer, response_logprob
 from agl_plugin_teachers.distill_math import reverse_kl, reverse_kl_advantages
 from agl_plugin_teachers.endpoints import Served, tokenizer_fingerprint
 from agl_plugin_teachers.settings import TeacherConfig
-from agl_plugin_teachers.teacher import TeacherError, TeacherScorer, row_sequences
+from agl_plugin_teachers.teacher import LocalTeacher, TeacherError, TeacherScorer, row_sequences
 from agl_plugin_torch.backend import create
 from agl_plugin_torch.settings import TorchConfig
 from agl_plugin_torch.testing import VOCABULARY, sampled_rows, tiny_section
@@ -35,6 +35,15 @@ def test_a_served_checkpoint_scores_exactly_the_log_probs_the_trainer_computes(b
     assert torch.allclose(log_probs[mask], batch["old_log_probs"][mask], atol=1e-5)
     assert (log_probs[~mask] == 0).all()
     assert metrics["teacher/requests"] == 3 and metrics["teacher/tokens"] == mask.sum()
+
+
+def test_a_local_teacher_scores_in_process_exactly_the_log_probs_the_trainer_computes(backend, checkpoint):
+    batch = sampled_rows(backend, n=10, max_tokens=6)
+    teacher = LocalTeacher(TeacherConfig(model_path=str(checkpoint)), rows_per_forward=4)
+    log_probs, metrics = teacher.score_batch(batch)
+    mask = batch["response_mask"].bool()
+    assert torch.allclose(log_probs[mask], batch["old_log_probs"][mask], atol=1e-6)
+    assert (log_probs[~mask] == 0).all() and metrics["teacher/tokens"] == mask.sum()
 
 
 def test_the_test_endpoint_teachers_log_probs_land_on_each_rows_response(endpoint):
