@@ -1,4 +1,5 @@
-"""The ``agl`` command: train, plugins, config show, doctor, export, plot, show, serve store|gateway, runner, new-plugin.
+"""The ``agl`` command: train, plugins, config show, doctor, export, plot, show, serve store|gateway, runner,
+new-plugin, and the commands installed distributions add (entry-point group ``agl_core.commands``).
 
 Options, ``-p`` flags and ``key=value`` overrides may come in any order after
 the subcommand (``agl train RECIPE -p NAME key=value`` or ``agl train -p NAME
@@ -176,7 +177,27 @@ def build_parser() -> argparse.ArgumentParser:
     rows.add_argument("--step", type=int, default=None, help="the step (default: the last one written)")
     rows.add_argument("-n", "--rows", type=int, default=3, help="rows to print")
     rows.set_defaults(run=cmd_show)
+    add_plugin_commands(sub)
     return parser
+
+
+COMMANDS_GROUP = "agl_core.commands"
+"""Entry-point group of commands other distributions add to ``agl`` (e.g. ``agl eval`` of agl-plugin-teachers)."""
+
+
+def add_plugin_commands(sub) -> None:
+    """Add the commands of the entry points of :data:`COMMANDS_GROUP`: each is a function ``register(subparsers)``
+    that adds a parser named like the entry point, with ``set_defaults(run=fn)``. One that fails to load, or
+    takes a built-in's name, is reported on stderr and left out; the others work."""
+    for entry in metadata.entry_points(group=COMMANDS_GROUP):
+        if entry.name in sub.choices:
+            print(f"agl: {entry.value} adds the command {entry.name!r}, which agl has already; left out",
+                  file=sys.stderr)
+            continue
+        try:
+            entry.load()(sub)
+        except Exception as exc:  # noqa: BLE001 - one broken distribution never bricks the CLI
+            print(f"agl: the command {entry.name!r} ({entry.value}) could not be added: {exc!r}", file=sys.stderr)
 
 
 def _service_flags(parser: argparse.ArgumentParser, token_env: str) -> None:

@@ -24,6 +24,11 @@ into the next prompt so that it extends the previous prompt and response.
 
 A completions ``prompt`` may be a list of token ids, as vLLM takes it (the
 reply then echoes their text).
+Scoring: a completions request with ``prompt_logprobs`` (vLLM's extension)
+and a ``prompt`` of token ids, or a list of such lists, is answered with one
+choice per prompt holding ``prompt_logprobs``: None for the first token,
+then ``{str(id): {"logprob", "rank": 1, "decoded_token"}}`` with the
+log-prob of the ``i``-th token ``t`` given by the same formula.
 
 ``stream: true`` answers with server-sent events the way vLLM does: for chat,
 a first chunk per choice with the role (and, on the call's first chunk,
@@ -280,6 +285,8 @@ class TestEndpoint:
         body = await self._receive(request)
         if isinstance(body, Response):
             return body
+        if body.get("prompt_logprobs") is not None:
+            return JSONResponse(self._scored(body))
         prompt = body.get("prompt") or ""
         if isinstance(prompt, list):  # token ids, as vLLM takes them (the gateway's exact contexts)
             prompt_ids, prompt = list(prompt), self.tokenizer.decode(prompt)
@@ -300,6 +307,17 @@ class TestEndpoint:
                 choice["prompt_token_ids"], choice["token_ids"] = prompt_ids, ids
             choices.append(choice)
         return JSONResponse(self._envelope("text_completion", body, choices, len(prompt_ids), len(ids)))
+
+    def _scored(self, body: dict[str, Any]) -> dict[str, Any]:
+        prompt = body["prompt"]
+        prompts = prompt if prompt and isinstance(prompt[0], list) else [prompt]
+        choices = [{"index": index, "text": "", "finish_reason": "length", "logprobs": None, "token_ids": [],
+                    "prompt_token_ids": ids,
+                    "prompt_logprobs": [None] + [{str(t): {"logprob": response_logprob(t, i), "rank": 1,
+                                                           "decoded_token": self.tokenizer.token_text(t)}}
+                                                 for i, t in enumerate(ids) if i > 0]}
+                   for index, ids in enumerate(prompts)]
+        return self._envelope("text_completion", body, choices, sum(map(len, prompts)), 0)
 
     def _envelope(self, kind: str, body: dict[str, Any], choices: list[dict[str, Any]],
                   n_prompt: int, n_response: int) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from agl_core.http_rules import POLICY_TOKEN_ENV, policy_token
 from agl_core.lazy_import import LazyModule
 from agl_core.plugins import PluginError
 
-from agl_plugin_torch.settings import NAME, TorchConfig
+from agl_plugin_torch.settings import LOSS_COLUMNS, NAME, TorchConfig
 
 if TYPE_CHECKING:
     import torch
@@ -155,7 +155,7 @@ class TorchBackend:
         policy_loss = ctx.components.get("policy_loss", algorithm.policy_loss.name).obj
         keys = ROW_INPUTS + ["old_log_probs", "advantages"] + (["ref_log_prob"] if algorithm.policy_loss.use_kl_loss
                                                                 else [])
-        keys += ["rollout_is_weights"] if "rollout_is_weights" in batch else []
+        keys += [key for key in LOSS_COLUMNS if key in batch]
         metrics = backend.run("update_actor", columns(backend, batch, keys), algorithm, policy_loss)
         backend.set_weight_version(ctx.step)  # the endpoint now serves this step's weights
         if backend.actor.device.type == "cuda":  # verl's names: the step's peak, generation included

@@ -11,6 +11,13 @@ with ``return_token_ids``, whatever the request asks: ``prompt_token_ids``
 model's path);
 ``GET /healthz`` (``/health``) says it is alive.
 
+Scoring: a completions request with ``prompt_logprobs: k`` (vLLM's
+extension) is answered without generating: per prompt (``prompt`` may be a
+list of token-id lists, one choice each) its ``prompt_logprobs``, the
+log-prob, rank and ``k`` alternatives of every token after the first
+(:mod:`agl_plugin_torch.scoring`). A teacher of on-policy distillation asks
+this of the student's samples.
+
 Sampling parameters: ``max_tokens`` / ``max_completion_tokens``,
 ``temperature`` (0: greedy), ``top_p``, ``top_k``, ``stop``,
 ``stop_token_ids``, ``ignore_eos``, ``seed``, ``n``.
@@ -66,10 +73,14 @@ from agl_core.http_server import ServerThread
 
 from agl_plugin_torch.engine import Engine, Generated
 from agl_plugin_torch.sampling import SamplingParams
+from agl_plugin_torch.scoring import prompt_logprobs, prompt_logprobs_field
 from agl_plugin_torch.settings import ServingConfig
 from agl_plugin_torch.streaming import TokenStream, logprob_entry
 
 log = logging.getLogger("agl_plugin_torch")
+
+MAX_PROMPT_LOGPROBS = 20
+"""Most alternatives a scoring request may ask per token (vLLM's default limit)."""
 
 """The environment variable that holds the bearer token when the recipe sets none (the gateway reads it too)."""
 
@@ -159,6 +170,8 @@ class PolicyServer:
             body = parse_json_object(await read_body(request, config.max_body_bytes,
                                                      "plugins.torch.serving.max_body_bytes", config.body_timeout_s))
             self._check_model(body.get("model"))
+            if not chat and body.get("prompt_logprobs") is not None:
+                return await self._score(body)
             tools, opening = None, ""
             if chat:
                 prompt_ids, tools, opening = self._chat_prompt(body)
@@ -187,6 +200,43 @@ class PolicyServer:
         except Exception as exc:  # noqa: BLE001 - reported to the client, logged by the engine
             return error_response(500, f"generation failed: {exc!r}")
         return JSONResponse(finish(generated))
+
+    async def _score(self, body: dict[str, Any]) -> Response:
+        """Answer a scoring request (``prompt_logprobs``): the prompts' token log-probs, nothing generated."""
+        top_k = body["prompt_logprobs"]
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or not 0 <= top_k <= MAX_PROMPT_LOGPROBS:
+            raise RequestError(400, f"'prompt_logprobs' must be an integer in [0, {MAX_PROMPT_LOGPROBS}]")
+        prompt = body.get("prompt")
+        prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else [prompt]
+        if len(prompts) > self.config.max_batch_rows:
+            raise RequestError(400, f"'prompt' holds {len(prompts)} prompts; at most "
+                                    f"{self.config.max_batch_rows} (plugins.torch.serving.max_batch_rows)")
+        checked = []
+        for i, ids in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 and not isinstance(prompt[0], list) else f"prompt[{i}]"
+            if not isinstance(ids, list) or not ids:
+                raise RequestError(400, f"'{where}' must be a non-empty list of token ids to score")
+            checked.append(self._completion_prompt({"prompt": ids}))
+            if len(ids) > self.context_length:
+                raise RequestError(400, f"'{where}' has {len(ids)} tokens; the model's context is "
+                                        f"{self.context_length} tokens")
+        engine = self.engine
+
+        def score() -> tuple[list, int]:
+            with engine.lock:
+                return (prompt_logprobs(engine.model, checked, top_k, self.tokenizer.pad_token_id),
+                        engine.weight_version())
+        try:
+            scored, version = await asyncio.to_thread(score)
+        except Exception as exc:  # noqa: BLE001 - reported to the client
+            return error_response(500, f"scoring failed: {exc!r}")
+        choices = [{"index": i, "text": "", "finish_reason": "length", "logprobs": None, "token_ids": [],
+                    "prompt_token_ids": ids, "prompt_logprobs": prompt_logprobs_field(rows, ids, self._token_text)}
+                   for i, (ids, rows) in enumerate(zip(checked, scored))]
+        n_tokens = sum(len(ids) for ids in checked)
+        return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", **self._envelope(body),
+                             "choices": choices, "weight_version": version,
+                             "usage": {"prompt_tokens": n_tokens, "completion_tokens": 0, "total_tokens": n_tokens}})
 
     # ------------------------------------------------------------ requests
 

@@ -10,6 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 NAME = "torch"
 """The plugin's name: its recipe section ``plugins.torch`` and its key in ``ctx.state``."""
 
+LOSS_COLUMNS = ("rollout_is_weights", "sft_mask")
+"""Per-token columns passed to the policy loss by name when the batch has them: the off-policy correction's
+weights, and the rows an SFT loss trains on (agl-plugin-teachers)."""
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")

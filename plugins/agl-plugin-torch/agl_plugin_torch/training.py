@@ -20,7 +20,7 @@ from agl_core.config import AlgorithmConfig
 from agl_core.data import Batch
 
 from agl_plugin_torch.forward import response_logprobs, response_values
-from agl_plugin_torch.settings import CriticConfig, OptimConfig
+from agl_plugin_torch.settings import LOSS_COLUMNS, CriticConfig, OptimConfig
 
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
@@ -119,8 +119,8 @@ def update_actor(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         log_prob, entropy = response_logprobs(model, micro["input_ids"], micro["attention_mask"],
                                               micro["position_ids"], micro["responses"],
                                               with_entropy=loss_cfg.entropy_coeff != 0)
-        # Only a run with the off-policy correction on passes weights: any registered loss serves the others.
-        weighted = {"rollout_is_weights": micro["rollout_is_weights"]} if "rollout_is_weights" in micro else {}
+        # Only a run that makes these columns passes them: any registered loss serves the others.
+        weighted = {key: micro[key] for key in LOSS_COLUMNS if key in micro}
         pg_loss, metrics = policy_loss(micro["old_log_probs"], log_prob, micro["advantages"], mask, loss_cfg,
                                        **weighted)
         metrics = {"actor/pg_loss": pg_loss.item(), **{f"actor/{k}": float(v) for k, v in metrics.items()}}
