@@ -21,18 +21,18 @@ from agl_core import checkpoint, run_dir
 from agl_core.algorithms.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty
 from agl_core.algorithms.losses import agg_loss_value
 from agl_core.algorithms.rollout_correction import tis_weights
-from agl_core.async_rollouts import STATE_KEY as ASYNC_STATE, AsyncRollouts
 from agl_core.balance import balanced_order
 from agl_core.batching import rows_to_keep, shuffle_and_floor
 from agl_core.components import Components
 from agl_core.config import Recipe, resolved, to_yaml
 from agl_core.context import TrainContext
 from agl_core.data import Batch, Task
+from agl_core.rollout.async_rollouts import STATE_KEY as ASYNC_STATE, AsyncRollouts
 from agl_core.metrics import (compute_throughput_metrics, compute_timing_metrics, row_statistics, sequence_lengths,
                               summarize)
 from agl_core.plugins import PluginSet, call
+from agl_core.rollout.tasks import TaskSampler, load_tasks
 from agl_core.stop import StopRequest
-from agl_core.tasks import TaskSampler, load_tasks
 from agl_core.timing import timer
 from agl_core.wiring import plan
 

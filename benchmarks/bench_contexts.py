@@ -108,7 +108,7 @@ def serve_gateway(upstream: str, n_rollouts: int, tokenizer: str) -> None:
     from agl_core.config import GatewayConfig
     from agl_core.data import Task
     from agl_core.gateway import Gateway
-    from agl_core.store import NewRollout
+    from agl_core.rollout.store import NewRollout
 
     store = MemoryStore()
     store.enqueue([NewRollout(f"r{i}", Task(id="t", input={})) for i in range(n_rollouts)])
@@ -162,7 +162,7 @@ def start_child(*command: str) -> tuple[subprocess.Popen, str]:
 
 def overhead_part(args: argparse.Namespace, tmp: Path) -> dict:
     make_tokenizer(tmp / "tokenizer")
-    endpoint, upstream = start_child("-m", "agl_core.testing_endpoint", "--port", "0")
+    endpoint, upstream = start_child("-m", "agl_core.testing.endpoint", "--port", "0")
     children, urls = [], {}
     try:
         for name, tokenizer in (("text", ""), ("exact", str(tmp / "tokenizer"))):

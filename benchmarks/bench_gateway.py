@@ -58,7 +58,7 @@ def serve_gateway(upstream: str, n_rollouts: int) -> None:
     from agl_core.builtin.memory_store import MemoryStore
     from agl_core.data import Task
     from agl_core.gateway import Gateway
-    from agl_core.store import NewRollout
+    from agl_core.rollout.store import NewRollout
 
     store = MemoryStore()
     store.enqueue([NewRollout(f"r{i}", Task(id="t", input={})) for i in range(n_rollouts)])
@@ -224,7 +224,7 @@ def main() -> None:
         serve_gateway(args.serve_gateway[0], int(args.serve_gateway[1]))
         return
 
-    endpoint, endpoint_url = start(["-m", "agl_core.testing_endpoint",
+    endpoint, endpoint_url = start(["-m", "agl_core.testing.endpoint",
                                     "--token-delay-s", str(args.token_delay_ms / 1000)])
     gateway, gateway_url = start([__file__, "--serve-gateway", endpoint_url + "/v1", str(args.agents)])
     bases = json.loads(gateway.stdout.readline())  # one running attempt's base URL per agent

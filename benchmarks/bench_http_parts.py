@@ -5,7 +5,7 @@ kept-alive client posting sequentially, p50 of the round trip:
 
 - servers (each in a process of its own, the client an aiohttp session in
   this one): uvicorn on httptools with the project's limits
-  (:class:`agl_core.http_server.ServerThread`, the reference), uvicorn on
+  (:class:`agl_core.http.server.ServerThread`, the reference), uvicorn on
   httptools as shipped, uvicorn on h11, and hypercorn and granian when they
   are installed (they are not dependencies: ``pip install hypercorn granian``
   to include them);
@@ -62,7 +62,7 @@ def serve(kind: str) -> None:
     port = sock.getsockname()[1]
     print(f"http://127.0.0.1:{port}", flush=True)
     if kind == "agl (uvicorn-httptools, limits)":
-        from agl_core.http_server import ServerThread
+        from agl_core.http.server import ServerThread
         sock.close()
         ServerThread(app, port=port).start()
         threading.Event().wait()

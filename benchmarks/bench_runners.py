@@ -16,7 +16,7 @@
    much less.
 2. The store service's added latency per rollout: enqueue, dequeue, the spans
    of 4 calls admitted and written as the gateway does, finish and read back
-   (the issue's stages), through :class:`~agl_core.store_client.HttpStore`
+   (the issue's stages), through :class:`~agl_core.rollout.store_client.HttpStore`
    against ``agl serve store`` (a client for each role: trainer, runner,
    gateway) vs :class:`~agl_plugin_sqlite.SqliteStore` in this process
    (shared by the roles), alternating blocks. Goal: at most 3 ms more at
@@ -57,8 +57,8 @@ from agl_core.builtin import local_runner
 from agl_core.config import load
 from agl_core.data import Span, Task
 from agl_core.loop import Trainer
-from agl_core.store import NewRollout, Store
-from agl_core.store_client import HttpStore
+from agl_core.rollout.store import NewRollout, Store
+from agl_core.rollout.store_client import HttpStore
 from agl_core.testing import PolicyEndpoints
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -298,7 +298,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="steps of each training with --recipes")
     parser.add_argument("--store-only", action="store_true", help="measure the store service's latency alone")
     args = parser.parse_args()
-    endpoint = subprocess.Popen([sys.executable, "-m", "agl_core.testing_endpoint", "--port", "0"],
+    endpoint = subprocess.Popen([sys.executable, "-m", "agl_core.testing.endpoint", "--port", "0"],
                                 stdout=subprocess.PIPE, text=True)
     try:
         endpoint_url = endpoint.stdout.readline().strip() + "/v1"

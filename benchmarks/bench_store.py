@@ -23,7 +23,7 @@ from agl_plugin_sqlite import SqliteStore
 
 from agl_core.builtin.memory_store import MemoryStore
 from agl_core.data import Span, Task
-from agl_core.store import NewRollout
+from agl_core.rollout.store import NewRollout
 
 CALLS_PER_ROLLOUT = 50
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from agl_core.testing_endpoint import TestEndpoint
+from agl_core.testing.endpoint import TestEndpoint
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from agl_core.builtin.memory_store import MemoryStore
 from agl_core.config import GatewayConfig
 from agl_core.data import Task
 from agl_core.gateway import Gateway
-from agl_core.store import NewRollout
+from agl_core.rollout.store import NewRollout
 
 ROLLOUTS = ("r0", "r1", "r2")
 LEASES: dict[str, str] = {}

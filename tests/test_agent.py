@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import agl_core
-from agl_core.agents import (LLM, RolloutScope, agent, agent_name, as_reward, emit_annotation, emit_reward,
+from agl_core.rollout.agents import (LLM, RolloutScope, agent, agent_name, as_reward, emit_annotation, emit_reward,
                              emit_state_key, load_agent, rollout_scope)
 from agl_core.builtin.memory_store import MemoryStore
 from agl_core.data import Rollout, Task
-from agl_core.store import NewRollout
+from agl_core.rollout.store import NewRollout
 
 AGENT_MODULE = """
 from agl_core import agent

@@ -15,7 +15,7 @@ import pytest
 
 from agl_core.builtin.remote_runners import NAME as REMOTE_RUNNERS
 from agl_core.loop import Trainer
-from agl_core.staleness import served_version, staleness
+from agl_core.rollout.staleness import served_version, staleness
 from agl_core.testing import BatchRecorder
 
 from test_runner_service import TASKS, plane  # noqa: F401 (a fixture)

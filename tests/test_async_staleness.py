@@ -6,7 +6,7 @@ import pytest
 
 from agl_core.config import ConfigError, validate_recipe
 from agl_core.data import Rollout, Span
-from agl_core.staleness import served_version, staleness, within_bound
+from agl_core.rollout.staleness import served_version, staleness, within_bound
 
 
 def rollout(rollout_id: str, task_id: str, *versions: int | None) -> Rollout:

@@ -19,8 +19,8 @@ from agl_core.config import GatewayConfig
 from agl_core.data import Task
 from agl_core.gateway import Gateway
 from agl_core.gateway.weight_sync import CallGate
-from agl_core.store import NewRollout
-from agl_core.testing_endpoint import TestEndpoint
+from agl_core.rollout.store import NewRollout
+from agl_core.testing.endpoint import TestEndpoint
 
 AGENTS = 32
 CALLS_PER_AGENT = 6

@@ -3,8 +3,8 @@
 import pytest
 from agl_plugin_sqlite import SqliteStore
 
-from agl_core.store_client import HttpStore
-from agl_core.store_server import RESERVE_SEQUENCE_IDS, StoreService
+from agl_core.rollout.store_client import HttpStore
+from agl_core.rollout.store_server import RESERVE_SEQUENCE_IDS, StoreService
 from agl_core.testing.contracts import PluginContract, StoreContract
 
 

@@ -16,13 +16,13 @@ from agl_core.builtin.memory_store import MemoryStore
 from agl_core.config import GatewayConfig
 from agl_core.data import Task
 from agl_core.gateway import Gateway
-from agl_core.gateway.upstream import Upstreams
 from agl_core.gateway.server import call_seed
-from agl_core.http_server import ServerThread
-from agl_core.store import NewRollout
-from agl_core.store_client import HttpStore
-from agl_core.store_server import RESERVE_SEQUENCE_IDS, StoreService
-from agl_core.testing_endpoint import ByteTokenizer, TestEndpoint, response_logprob
+from agl_core.gateway.upstream import Upstreams
+from agl_core.http.server import ServerThread
+from agl_core.rollout.store import NewRollout
+from agl_core.rollout.store_client import HttpStore
+from agl_core.rollout.store_server import RESERVE_SEQUENCE_IDS, StoreService
+from agl_core.testing.endpoint import ByteTokenizer, TestEndpoint, response_logprob
 
 TOKENIZER = ByteTokenizer()
 LEASES: dict[str, str] = {}

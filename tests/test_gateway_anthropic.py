@@ -19,7 +19,7 @@ from gateway_apis import (CALL, LEASES, assert_learns_as_the_default_recipe, bas
 from agl_core.gateway import Gateway
 from agl_core.gateway import anthropic as messages_api
 from agl_core.gateway.streaming import chunks_of
-from agl_core.http_rules import RequestError
+from agl_core.http.rules import RequestError
 
 
 def messages_client(gateway: Gateway, rollout: str = "r0", api_key: str = "unused") -> anthropic.Anthropic:

@@ -13,8 +13,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from agl_core.gateway.chat_template import ChatTemplate
-from agl_core.context_record import EDITED, EXACT, FIRST, NEW_CONVERSATION, REBUILT, TOOLS_CHANGED
 from agl_core.gateway.contexts import ExactContexts, chat_answer, completion_request, message_key
+from agl_core.rollout.context_record import EDITED, EXACT, FIRST, NEW_CONVERSATION, REBUILT, TOOLS_CHANGED
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -170,7 +170,7 @@ def two_turns(endpoint, tokenizer: str | None):
     from agl_core.config import GatewayConfig
     from agl_core.data import Task
     from agl_core.gateway import Gateway
-    from agl_core.store import NewRollout
+    from agl_core.rollout.store import NewRollout
 
     store = MemoryStore()
     store.enqueue([NewRollout("r1", Task(id="t", input={}))])

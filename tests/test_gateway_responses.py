@@ -20,7 +20,7 @@ from gateway_apis import (CALL, LEASES, assert_learns_as_the_default_recipe, bas
 from agl_core.gateway import Gateway, api_routes
 from agl_core.gateway import responses as responses_api
 from agl_core.gateway.streaming import chunks_of
-from agl_core.http_rules import RequestError
+from agl_core.http.rules import RequestError
 
 set_tracing_disabled(True)  # the SDK would export its traces to OpenAI
 

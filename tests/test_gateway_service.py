@@ -14,8 +14,8 @@ from agl_core.data import Task
 from agl_core.gateway import Gateway
 from agl_core.gateway.client import check_gateway, set_policy
 from agl_core.gateway.service import gateway_config
-from agl_core.store import NewRollout
-from agl_core.testing_endpoint import ByteTokenizer
+from agl_core.rollout.store import NewRollout
+from agl_core.testing.endpoint import ByteTokenizer
 
 TOKEN = "s3cret"
 ADMIN = "the-trainers-own"

@@ -19,9 +19,9 @@ from agl_core.gateway import Gateway, streaming
 from agl_core.gateway.capture import CHAT, COMPLETIONS
 from agl_core.gateway.server import call_seed
 from agl_core.gateway.streaming import CallStream, EventStreamResponse, SSEParser, StreamAssembly, chunks_of
-from agl_core.http_server import ServerThread
-from agl_core.store import NewRollout
-from agl_core.testing_endpoint import ByteTokenizer, TestEndpoint
+from agl_core.http.server import ServerThread
+from agl_core.rollout.store import NewRollout
+from agl_core.testing.endpoint import ByteTokenizer, TestEndpoint
 
 TOKENIZER = ByteTokenizer()
 ROLLOUTS = ("plain", "streamed")

@@ -11,8 +11,8 @@ from agl_core.builtin.memory_store import MemoryStore
 from agl_core.config import GatewayConfig
 from agl_core.data import Task
 from agl_core.gateway import Gateway
-from agl_core.store import NewRollout
-from agl_core.testing_endpoint import ByteTokenizer
+from agl_core.rollout.store import NewRollout
+from agl_core.testing.endpoint import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()
 TOOLS = [{"type": "function", "function": {

@@ -1,4 +1,4 @@
-"""What agl_core.http_limits adds to uvicorn, on a real server on 127.0.0.1 and raw sockets: requests within the
+"""What agl_core.http.limits adds to uvicorn, on a real server on 127.0.0.1 and raw sockets: requests within the
 limits served as uvicorn serves them, those past them refused. (tests/faults/test_fault_floods.py floods each service.)
 """
 
@@ -12,8 +12,8 @@ import threading
 
 import pytest
 
-from agl_core.http_limits import MAX_PIPELINED, ServerLimits, raise_fd_limit
-from agl_core.http_server import ServerThread
+from agl_core.http.limits import MAX_PIPELINED, ServerLimits, raise_fd_limit
+from agl_core.http.server import ServerThread
 
 head_seen = threading.Event()
 

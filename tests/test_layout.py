@@ -20,28 +20,26 @@ PACKAGE = REPO / "agl_core"
 ROOMS: list[tuple[str, list[str], set[str]]] = [
     # (room, its modules and packages, the rooms it may import)
     ("algorithms", ["agl_core.algorithms"], set()),
-    ("http rules", ["agl_core.http_rules", "agl_core.recordable"], set()),
+    ("http rules", ["agl_core.http.rules", "agl_core.http.recordable"], set()),
     ("contract", ["agl_core.data", "agl_core.lazy_import", "agl_core.hookspecs", "agl_core.plugins",
                   "agl_core.config", "agl_core.components", "agl_core.context", "agl_core.wiring",
                   "agl_core.timing", "agl_core.stop", "agl_core.batching", "agl_core.balance", "agl_core.metrics",
                   "agl_core.checkpoint", "agl_core.run_dir"], {"algorithms", "http rules"}),
-    # agl_core.http and agl_core.rollout: the packages of the layout (issue 43), their modules listed by name too
-    ("http serving", ["agl_core.http", "agl_core.http_server", "agl_core.http_limits"], {"http rules", "contract"}),
-    ("rollout", ["agl_core.rollout", "agl_core.agents", "agl_core.store", "agl_core.tasks", "agl_core.runner", "agl_core.store_client",
-                 "agl_core.store_server", "agl_core.span_batcher", "agl_core.staleness", "agl_core.context_record"],
+    ("http serving", ["agl_core.http"], {"http rules", "contract"}),
+    ("rollout", ["agl_core.rollout"],
      {"http rules", "contract", "http serving"}),
     ("gateway", ["agl_core.gateway"], {"http rules", "contract", "http serving", "rollout"}),
     ("public names", ["agl_core"], {"contract", "rollout"}),
-    # agl_core.plot and agl_core.trackers: the run's curves, which loggers send to trackers (agl_core.builtin after the move)
-    ("builtin plugins", ["agl_core.builtin", "agl_core.plot", "agl_core.trackers"],
+    # agl_core.builtin.plot and agl_core.builtin.trackers: the run's curves, which loggers send to trackers (agl_core.builtin after the move)
+    ("builtin plugins", ["agl_core.builtin"],
      {"algorithms", "http rules", "contract", "http serving", "rollout", "gateway", "public names"}),
-    ("rollout services", ["agl_core.runner_service", "agl_core.async_rollouts"],
+    ("rollout services", ["agl_core.rollout.runner_service", "agl_core.rollout.async_rollouts"],
      {"http rules", "contract", "http serving", "rollout", "gateway", "builtin plugins"}),
     ("loop", ["agl_core.loop"], {"algorithms", "contract", "rollout", "rollout services"}),
-    ("testing", ["agl_core.testing", "agl_core.testing_endpoint"],
+    ("testing", ["agl_core.testing"],
      {"algorithms", "http rules", "contract", "http serving", "rollout", "gateway", "public names", "builtin plugins",
       "rollout services", "loop"}),
-    ("cli", ["agl_core.cli", "agl_core.new_plugin", "agl_core.show"],
+    ("cli", ["agl_core.cli"],
      {"algorithms", "http rules", "contract", "http serving", "rollout", "gateway", "public names",
       "builtin plugins", "rollout services", "loop", "testing"}),
 ]

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from agl_core.new_plugin import TEMPLATED_HOOKS, NewPluginError, main, render
+from agl_core.cli.new_plugin import TEMPLATED_HOOKS, NewPluginError, main, render
 from agl_core.testing import check_plugin
 
 REPO = Path(__file__).resolve().parents[1]

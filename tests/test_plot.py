@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from agl_core.builtin.plot import curve, plot_run, read_metrics
 from agl_core.cli import main
-from agl_core.plot import curve, plot_run, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -13,7 +13,6 @@ import openai
 import pytest
 
 from agl_core import emit_reward
-from agl_core.agents import LLM
 from agl_core.builtin.local_runner import NAME as LOCAL_RUNNER
 from agl_core.builtin.memory_store import MemoryStore
 from agl_core.config import GatewayConfig
@@ -21,10 +20,11 @@ from agl_core.data import Task
 from agl_core.gateway import Gateway
 from agl_core.loop import Trainer
 from agl_core.plugins import PluginError
-from agl_core.runner import LocalRunner, cancel_abandoned, collect, wait_all
-from agl_core.store import NewRollout
+from agl_core.rollout.agents import LLM
+from agl_core.rollout.runner import LocalRunner, cancel_abandoned, collect, wait_all
+from agl_core.rollout.store import NewRollout
 from agl_core.testing import PolicyEndpoints
-from agl_core.testing_endpoint import ByteTokenizer, TestEndpoint
+from agl_core.testing.endpoint import ByteTokenizer, TestEndpoint
 
 TASKS = [Task(id=f"t{i}", input={"word": w}) for i, w in enumerate(["apple", "pear", "fig"])]
 
@@ -211,7 +211,7 @@ def test_a_step_whose_rollouts_nobody_runs_says_so_and_ends_when_a_runner_comes(
 
     runner = threading.Timer(0.5, late_runner)
     runner.start()
-    with caplog.at_level("WARNING", logger="agl_core.runner"):
+    with caplog.at_level("WARNING", logger="agl_core.rollout.runner"):
         wait_all(store, ["r"], poll_s=0.05, stall_warning_s=0.2)
     runner.join()
     warnings = [r.getMessage() for r in caplog.records]
@@ -318,7 +318,7 @@ def test_cancel_abandoned_ends_only_the_rollouts_of_its_own_run():
 def test_a_worker_loop_closes_over_what_an_agent_left_running():
     """What an async agent leaves behind (a background task, an async generator dropped mid-way) ends with its
     worker's loop, as under asyncio.run, instead of being destroyed pending."""
-    from agl_core.runner import close_loop
+    from agl_core.rollout.runner import close_loop
 
     ended = []
 

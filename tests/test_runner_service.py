@@ -2,7 +2,7 @@
 
 Every service is a real separate process on 127.0.0.1 (the store service, the gateway, the test policy
 endpoint, the runners); agents call the model through the real ``openai`` client. The trainer's side is
-:func:`agl_core.runner.collect` over an ``HttpStore``, or a real ``Trainer`` with the ``remote_runners`` plugin.
+:func:`agl_core.rollout.runner.collect` over an ``HttpStore``, or a real ``Trainer`` with the ``remote_runners`` plugin.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from agl_core.builtin.remote_runners import NAME as REMOTE_RUNNERS
 from agl_core.data import Task
 from agl_core.loop import Trainer
 from agl_core.plugins import PluginError, PluginSet
-from agl_core.runner import collect
-from agl_core.store import NewRollout
-from agl_core.store_client import HttpStore
+from agl_core.rollout.runner import collect
+from agl_core.rollout.store import NewRollout
+from agl_core.rollout.store_client import HttpStore
 from agl_core.testing import PolicyEndpoints
-from agl_core.testing_endpoint import ByteTokenizer
+from agl_core.testing.endpoint import ByteTokenizer
 
 TASKS = [Task(id=f"t{i}", input={"word": w}) for i, w in enumerate(["apple", "pear", "fig"])]
 START_S = 60.0  # bound on a service's start-up (imports of torch on 2 busy cores)
@@ -98,7 +98,7 @@ class Plane:
         (tmp_path / "remote_agents.py").write_text(AGENTS)
         self.procs: list[subprocess.Popen] = []
         self.store = self._start(agl("serve", "store", "--db", str(tmp_path / "store.sqlite")), "store")
-        self.endpoint = self._start([sys.executable, "-m", "agl_core.testing_endpoint", "--port", "0"], "endpoint")
+        self.endpoint = self._start([sys.executable, "-m", "agl_core.testing.endpoint", "--port", "0"], "endpoint")
         self.gateway = self._start(agl("serve", "gateway", "--store", self.store,
                                        "--upstream", self.endpoint + "/v1"), "gateway")
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from agl_core.builtin import samples
+from agl_core.cli.show import pick
 from agl_core.config import ConfigError, load
 from agl_core.data import Batch
 from agl_core.loop import Trainer
-from agl_core.show import pick
 from agl_core.testing import BatchRecorder
 
 ROOT = Path(__file__).resolve().parents[1]

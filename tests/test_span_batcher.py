@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from agl_core.data import Span
-from agl_core.span_batcher import SpanBatcher
+from agl_core.rollout.span_batcher import SpanBatcher
 
 
 def span(i: int) -> Span:

@@ -9,9 +9,9 @@ from agl_plugin_sqlite import SqliteStore
 
 from agl_core.builtin.memory_store import MemoryStore
 from agl_core.data import Span, Task
-from agl_core.store import NewRollout, Store
-from agl_core.store_client import HttpStore
-from agl_core.store_server import RESERVE_SEQUENCE_IDS, StoreService
+from agl_core.rollout.store import NewRollout, Store
+from agl_core.rollout.store_client import HttpStore
+from agl_core.rollout.store_server import RESERVE_SEQUENCE_IDS, StoreService
 
 
 @pytest.fixture(params=["memory", "sqlite", "http"])

@@ -27,10 +27,10 @@ from agl_core.components import Components
 from agl_core.config import ConfigError
 from agl_core.context import TrainContext
 from agl_core.data import Span, Task
-from agl_core.http_server import ServerThread
-from agl_core.store import SPANS_LOST, LeaseError, NewRollout
-from agl_core.store_client import HttpStore
-from agl_core.store_server import RESERVE_SEQUENCE_IDS, StoreService
+from agl_core.http.server import ServerThread
+from agl_core.rollout.store import SPANS_LOST, LeaseError, NewRollout
+from agl_core.rollout.store_client import HttpStore
+from agl_core.rollout.store_server import RESERVE_SEQUENCE_IDS, StoreService
 
 TOKEN = "s3cret-token"
 
@@ -342,7 +342,7 @@ def test_an_enqueue_retried_into_different_rollouts_still_fails(serve, client):
 
 
 def test_long_polls_are_cut_by_the_service_and_resumed_by_the_client(serve, client, monkeypatch):
-    monkeypatch.setattr("agl_core.store_server.LONG_POLL_S", 0.05)
+    monkeypatch.setattr("agl_core.rollout.store_server.LONG_POLL_S", 0.05)
     url, backing = serve()
     store = client(url)
     backing.enqueue([new("a")])
@@ -449,7 +449,7 @@ def test_finish_waits_for_the_spans_of_the_calls_the_service_admitted(serve, cli
 
     other = runner.dequeue("w", lease_s=30)
     gateway.admit("b", other.attempt_id, 1, lease=other.lease)  # a call whose span never comes: its gateway stopped
-    monkeypatch.setattr("agl_core.store_server.SPAN_WAIT_S", 0.2)
+    monkeypatch.setattr("agl_core.rollout.store_server.SPAN_WAIT_S", 0.2)
     assert runner.finish("b", other.attempt_id, "timed_out", lease=other.lease)  # not waited for
     assert trainer.get_rollouts(["b"])[0].spans == []
 
@@ -461,8 +461,8 @@ def test_a_finish_gives_up_on_a_span_that_never_comes_and_the_attempt_ends_faile
     store.enqueue([new("a")])
     attempt = store.dequeue("w", lease_s=30)
     store.admit("a", attempt.attempt_id, 1, lease=attempt.lease)
-    monkeypatch.setattr("agl_core.store_server.SPAN_WAIT_S", 0.2)
-    with caplog.at_level("WARNING", logger="agl_core.store_server"):
+    monkeypatch.setattr("agl_core.rollout.store_server.SPAN_WAIT_S", 0.2)
+    with caplog.at_level("WARNING", logger="agl_core.rollout.store_server"):
         assert store.finish("a", attempt.attempt_id, "succeeded", final_reward=1.0, lease=attempt.lease)
     assert "ended without the spans of calls [0]" in caplog.text
     (rollout,) = store.get_rollouts(["a"])

@@ -23,8 +23,8 @@ from agl_plugin_sqlite.store import SCHEMA
 from agl_core.components import Components
 from agl_core.context import TrainContext
 from agl_core.data import Span, Task
-from agl_core.store import NewRollout
-from agl_core.store_client import Rollouts
+from agl_core.rollout.store import NewRollout
+from agl_core.rollout.store_client import Rollouts
 
 
 def read_lines(proc, until, timeout_s=60.0):

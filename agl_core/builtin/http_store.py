@@ -8,7 +8,7 @@ Choose it in a recipe and say where the service is::
 
 Every process of a run that names the same URL (trainer, ``agl serve
 gateway``, ``agl runner``) works on the same rollouts. See
-:mod:`agl_core.store_client` for retries and what they mean.
+:mod:`agl_core.rollout.store_client` for retries and what they mean.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def register_stores(register):
 
 def open_store(ctx):
     """The client of the service at ``plugins.http_store.url``."""
-    from agl_core.store_client import HttpStore  # imports agl_core.data (torch): only runs that use it pay
+    from agl_core.rollout.store_client import HttpStore  # imports agl_core.data (torch): only runs that use it pay
 
     cfg = ctx.plugin_config(NAME)
     if not cfg.url:

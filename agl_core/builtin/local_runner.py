@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from agl_core import HOOK_API_VERSION, hookimpl
-from agl_core.agents import LLM, load_agent
 from agl_core.plugins import PluginError
-from agl_core.runner import LocalRunner, cancel_abandoned
-from agl_core.store import Store
+from agl_core.rollout.agents import LLM, load_agent
+from agl_core.rollout.runner import LocalRunner, cancel_abandoned
+from agl_core.rollout.store import Store
 
 if TYPE_CHECKING:  # the gateway's server (Starlette, uvicorn) is imported when a run starts one
     from agl_core.gateway import Gateway
-    from agl_core.http_server import ServerThread
+    from agl_core.http.server import ServerThread
 
 AGL_HOOK_API = HOOK_API_VERSION
 NAME = "local_runner"
@@ -127,7 +127,7 @@ def weight_version(ctx, mode: str) -> int:
 
 
 def collect_options(ctx, mode: str) -> dict:
-    """The step's arguments of :func:`agl_core.runner.collect`: ``rollout.n`` samples per task in training
+    """The step's arguments of :func:`agl_core.rollout.runner.collect`: ``rollout.n`` samples per task in training
     (1 in validation), the metadata call seeds derive from, rollout ids naming the step. Validation games are
     queued ahead: in asynchronous training the next step's games are already queued, and the trainer waits for
     the validation."""

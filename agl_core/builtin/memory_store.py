@@ -15,9 +15,10 @@ from typing import Any
 
 from agl_core import HOOK_API_VERSION, hookimpl
 from agl_core.data import Rollout, Span, Task
-from agl_core.recordable import check_span
-from agl_core.store import (FAILED, QUEUING, RUNNING, TERMINAL, Attempt, AttemptState, LeaseError, Leases, NewRollout,
-                            check_lease, conflict_error, ended_error, lease_expired_error, new_lease)
+from agl_core.http.recordable import check_span
+from agl_core.rollout.store import (FAILED, QUEUING, RUNNING, TERMINAL, Attempt, AttemptState, LeaseError, Leases,
+                                    NewRollout, check_lease, conflict_error, ended_error, lease_expired_error,
+                                    new_lease)
 
 AGL_HOOK_API = HOOK_API_VERSION
 
@@ -48,7 +49,7 @@ class _Entry:
 
 
 class MemoryStore:
-    """The :class:`~agl_core.store.Store` protocol on dicts, guarded by one condition variable."""
+    """The :class:`~agl_core.rollout.store.Store` protocol on dicts, guarded by one condition variable."""
 
     admits_at_once = True  # see Store.admit
 

@@ -34,10 +34,10 @@ from agl_core.builtin.local_runner import collect_options, gateway_sampling, gat
 from agl_core.config import Section
 from agl_core.data import Rollout, Task
 from agl_core.gateway.client import ADMIN_TOKEN_ENV, TOKEN_ENV, check_gateway, set_policy
-from agl_core.http_rules import token_from
+from agl_core.http.rules import token_from
 from agl_core.plugins import PluginError
-from agl_core.runner import cancel_abandoned, collect
-from agl_core.store import Store
+from agl_core.rollout.runner import cancel_abandoned, collect
+from agl_core.rollout.store import Store
 
 AGL_HOOK_API = HOOK_API_VERSION
 AGL_OPT_IN = True  # an alternative to local_runner, which fills the same slot
@@ -104,7 +104,7 @@ def collect_step(ctx, store: Store, gateway_url: str, admin_token: str | None, t
     """One step's rollouts by runners leasing from ``store`` and calling the gateway at ``gateway_url``.
 
     Points the gateway at the policy of this step (:func:`set_policy`, with the gateway's ``admin_token``), queues
-    the tasks and waits for every rollout to end (:func:`agl_core.runner.collect`);
+    the tasks and waits for every rollout to end (:func:`agl_core.rollout.runner.collect`);
     in training, reports the ``rollout/…`` metrics in ``ctx.step_metrics``.
     """
     set_policy(gateway_url, urls=policy_urls(ctx), weight_version=weight_version(ctx, mode),

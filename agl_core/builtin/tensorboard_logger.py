@@ -13,7 +13,7 @@ the run logged from that step on.
 from __future__ import annotations
 
 from agl_core import HOOK_API_VERSION, hookimpl
-from agl_core.trackers import chartable
+from agl_core.builtin.trackers import chartable
 
 AGL_HOOK_API = HOOK_API_VERSION
 NAME = "tensorboard"

@@ -29,13 +29,13 @@ from typing import Any, Protocol
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from agl_core.config import GatewayConfig
 from agl_core.gateway import anthropic, responses
 from agl_core.gateway.capture import CHAT
 from agl_core.gateway.streaming import CallStream, Chunk, EventStreamResponse
 from agl_core.gateway.translate import require, upstream_error_message
-from agl_core.config import GatewayConfig
-from agl_core.http_rules import RequestError, check_bearer, error_response, parse_json_object, read_body
-from agl_core.store import Store
+from agl_core.http.rules import RequestError, check_bearer, error_response, parse_json_object, read_body
+from agl_core.rollout.store import Store
 
 log = logging.getLogger("agl_core.gateway")
 

@@ -26,7 +26,7 @@ Every chat call's span says what happened (``attributes["context"]``):
     the prompt is an earlier call's exact context plus the new messages.
 ``rebuilt``
     earlier calls exist but this one was sent as text
-    (:mod:`agl_core.context_record` names the values);
+    (:mod:`agl_core.rollout.context_record` names the values);
     ``attributes["context_reason"]`` says why: the agent edited its history
     (:data:`EDITED`), started another conversation (:data:`NEW_CONVERSATION`),
     changed its tools, or the gateway could not render (no tokenizer, a
@@ -51,12 +51,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from agl_core.gateway.chat_template import ChatTemplate, find_template
-from agl_core.context_record import EDITED, EXACT, FIRST, NEW_CONVERSATION, REBUILT, TOOLS_CHANGED
-from agl_core.gateway.upstream import UpstreamError
 from agl_core.gateway.streaming import dumps
+from agl_core.gateway.upstream import UpstreamError
+from agl_core.rollout.context_record import EDITED, EXACT, FIRST, NEW_CONVERSATION, REBUILT, TOOLS_CHANGED
 from agl_core.gateway.tool_calls import (forced_function, forced_opening, offered_tools, parse_forced_call,
                                          parse_tool_calls)
-from agl_core.http_rules import RequestError
+from agl_core.http.rules import RequestError
 
 
 MAX_TURNS = 8

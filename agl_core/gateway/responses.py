@@ -48,7 +48,7 @@ from typing import Any
 
 from agl_core.gateway.translate import (first_choice, new_id, refuse_unknown, require, server_sent_event,
                                         text_of, usage_of)
-from agl_core.http_rules import RequestError
+from agl_core.http.rules import RequestError
 
 API = "openai.responses"
 

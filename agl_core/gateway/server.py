@@ -17,11 +17,11 @@ gateway served alone (:mod:`agl_core.gateway.service`): the admin token
 gateway with neither token (loopback only) takes anyone's; one with an
 agents' token and no admin token refuses every admin call (403).
 
-It keeps the rules of every server of the project (:mod:`agl_core.http_rules`):
+It keeps the rules of every server of the project (:mod:`agl_core.http.rules`):
 a token off loopback, bounded bodies, sampling parameters checked at the door
 (``n`` at most ``max_n``), a 400 naming the field for anything else, and for
 what no store could record (JSON nested deeper than
-:data:`~agl_core.recordable.MAX_REQUEST_DEPTH` levels or holding a lone
+:data:`~agl_core.http.recordable.MAX_REQUEST_DEPTH` levels or holding a lone
 surrogate, anywhere in the body), on every route. The
 ``model`` an agent names is forwarded as it is: the policy server decides
 (the embedded backend serves any name, vLLM refuses names it does not serve).
@@ -56,13 +56,13 @@ from agl_core.gateway.tools import check_tools
 from agl_core.gateway.upstream import (Forwarded, Opened, Upstreams, open_with_retries, post_with_retries,
                                       read_whole, upstream_session)
 from agl_core.gateway.weight_sync import CallGate
-from agl_core.http_rules import (INT64_MAX, RequestError, check_bearer, check_sampling, error_response,
+from agl_core.http.rules import (INT64_MAX, RequestError, check_bearer, check_sampling, error_response,
                                  health_response, integer, parse_json_object, policy_token, read_body,
                                  require_token_off_loopback, token_from)
-from agl_core.http_limits import ServerLimits
-from agl_core.http_server import ServerThread
-from agl_core.recordable import NotRecordable
-from agl_core.store import AttemptState, LeaseError, Store
+from agl_core.http.limits import ServerLimits
+from agl_core.http.recordable import NotRecordable
+from agl_core.http.server import ServerThread
+from agl_core.rollout.store import AttemptState, LeaseError, Store
 
 log = logging.getLogger("agl_core.gateway")
 PREFIX = "/rollout/{rollout_id}/attempt/{attempt_id}/lease/{lease}/v1"
@@ -103,7 +103,7 @@ class Gateway:
     Each call costs the store one ``admit`` before it goes upstream; its spans
     are added after (a store service's client uploads them in the background,
     and the service makes the rollout's ``finish`` wait for the spans of the
-    calls it admitted: :mod:`agl_core.store_server`).
+    calls it admitted: :mod:`agl_core.rollout.store_server`).
     """
 
     def __init__(self, store: Store, config: GatewayConfig | None = None,

@@ -18,8 +18,8 @@ from pydantic import ValidationError
 from agl_core.config import ConfigError, GatewayConfig
 from agl_core.gateway.client import ADMIN_TOKEN_ENV, TOKEN_ENV, check_service
 from agl_core.gateway.server import Gateway
-from agl_core.http_rules import require_token_off_loopback, token_from
-from agl_core.http_server import stop_on_signals
+from agl_core.http.rules import require_token_off_loopback, token_from
+from agl_core.http.server import stop_on_signals
 
 STORE_CONNECT_TIMEOUT_S = 60.0
 """How long the gateway waits at start-up for its store service to answer."""
@@ -31,8 +31,8 @@ FROM_ENVIRONMENT = {"admin_token": ADMIN_TOKEN_ENV}
 
 def main(args) -> int:
     """Serve a gateway over the store service ``args.store`` until SIGINT or SIGTERM; print its URL once it serves."""
-    from agl_core.store_client import TOKEN_ENV as STORE_TOKEN_ENV
-    from agl_core.store_client import HttpStore
+    from agl_core.rollout.store_client import TOKEN_ENV as STORE_TOKEN_ENV
+    from agl_core.rollout.store_client import HttpStore
 
     config = gateway_config(args.config, host=args.host, port=args.port, token=args.token,
                             max_connections=args.max_connections)

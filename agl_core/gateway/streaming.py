@@ -25,7 +25,7 @@ import anyio
 
 from agl_core.gateway.capture import CHAT
 from agl_core.gateway.upstream import Response, UpstreamError, UpstreamTooLarge
-from agl_core.http_rules import RequestError
+from agl_core.http.rules import RequestError
 
 yield_core = getattr(os, "sched_yield", lambda: None)
 """Give this core away once, after a stream's first write (see :class:`EventStreamResponse`)."""

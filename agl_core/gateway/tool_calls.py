@@ -35,7 +35,7 @@ import re
 import uuid
 from typing import Any
 
-from agl_core.http_rules import RequestError
+from agl_core.http.rules import RequestError
 
 HERMES, PYTHONIC = "hermes", "pythonic"
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)

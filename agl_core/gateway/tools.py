@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agl_core.http_rules import RequestError
+from agl_core.http.rules import RequestError
 
 TOOL_CHOICES = ("none", "auto", "required")
 

@@ -11,7 +11,7 @@ import json
 import uuid
 from typing import Any
 
-from agl_core.http_rules import RequestError
+from agl_core.http.rules import RequestError
 
 
 def new_id(prefix: str) -> str:

@@ -66,9 +66,9 @@ from agl_core.components import REGISTRATION_HOOKS, Components
 from agl_core.config import Recipe, load
 from agl_core.context import TrainContext
 from agl_core.data import Batch, Rollout, Span, Task, Triplet
+from agl_core.http.recordable import MAX_SPAN_DEPTH
 from agl_core.plugins import PluginSet, call
-from agl_core.recordable import MAX_SPAN_DEPTH
-from agl_core.store import SPANS_LOST, TERMINAL, LeaseError, NewRollout, Store
+from agl_core.rollout.store import SPANS_LOST, TERMINAL, LeaseError, NewRollout, Store
 
 ROW_TENSORS = ("input_ids", "attention_mask", "position_ids", "prompts", "responses", "response_mask",
                "token_level_scores", "is_drop_mask")

@@ -15,7 +15,7 @@ REFERENCE_PAGES = {
     "agl_core/hookspecs.py": "reference/hooks.md",
     "agl_core/context.py": "reference/context.md",
     "agl_core/data.py": "reference/batch.md",
-    "agl_core/store.py": "reference/store.md",
+    "agl_core/rollout/store.py": "reference/store.md",
     "agl_core/testing/contracts.py": "reference/testing.md",
     "agl_core/testing/__init__.py": "reference/testing.md",
 }

@@ -15,12 +15,12 @@ import openai
 import pytest
 from agl_plugin_sqlite import SqliteStore
 
-from agl_core.agents import LLM
 from agl_core.config import GatewayConfig
 from agl_core.data import Task
 from agl_core.gateway import Gateway
-from agl_core.runner import LocalRunner
-from agl_core.testing_endpoint import TestEndpoint
+from agl_core.rollout.agents import LLM
+from agl_core.rollout.runner import LocalRunner
+from agl_core.testing.endpoint import TestEndpoint
 
 TIMEOUT_S = 2.0
 RELEASE = threading.Event()  # set at the end of the test: the hanging agent's thread then ends too

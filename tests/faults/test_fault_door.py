@@ -25,10 +25,10 @@ import pytest
 from agl_core.config import GatewayConfig
 from agl_core.data import Span, Task
 from agl_core.gateway import Gateway
-from agl_core.recordable import MAX_REQUEST_DEPTH, MAX_SPAN_DEPTH
-from agl_core.runner import rollout_metrics
-from agl_core.store import SPANS_LOST, NewRollout
-from agl_core.store_client import HttpStore
+from agl_core.http.recordable import MAX_REQUEST_DEPTH, MAX_SPAN_DEPTH
+from agl_core.rollout.runner import rollout_metrics
+from agl_core.rollout.store import SPANS_LOST, NewRollout
+from agl_core.rollout.store_client import HttpStore
 from agl_plugin_sqlite.store import SqliteStore
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -3,7 +3,7 @@ service (``agl serve store``), the gateway (``agl serve gateway`` over a store s
 endpoint (its serving process). Against each, a flood client — pipelining without reading, an endless header line,
 slowloris header trickles, idle connections up to the cap — while a second client checks that the service answers.
 
-The limits are those of :mod:`agl_core.http_limits` (64 KiB and 10 s of header section, 16 requests read ahead);
+The limits are those of :mod:`agl_core.http.limits` (64 KiB and 10 s of header section, 16 requests read ahead);
 the connection cap is set small here (:data:`CAP`), as an operator would set it.
 """
 
@@ -25,7 +25,7 @@ import httpx
 import psutil
 import pytest
 
-from agl_core.http_limits import ServerLimits
+from agl_core.http.limits import ServerLimits
 
 CAP = 24
 HEADER_LIMITS = ServerLimits()

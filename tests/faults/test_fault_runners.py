@@ -27,9 +27,9 @@ import pytest
 from agl_core.data import Task
 from agl_core.gateway import Gateway
 from agl_core.gateway.client import set_policy
-from agl_core.runner import collect
-from agl_core.store import NewRollout
-from agl_core.store_client import HttpStore
+from agl_core.rollout.runner import collect
+from agl_core.rollout.store import NewRollout
+from agl_core.rollout.store_client import HttpStore
 
 TOKEN = "gateway-secret"
 ADMIN = "gateway-admin-secret"

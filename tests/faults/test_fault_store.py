@@ -21,7 +21,7 @@ import pytest
 from agl_plugin_sqlite import SqliteStore
 
 from agl_core.data import Task
-from agl_core.store import NewRollout
+from agl_core.rollout.store import NewRollout
 
 ACKNOWLEDGED = 12  # flushed batches the parent waits for before it kills the writer
 
@@ -29,7 +29,7 @@ WRITER = """
 import sys
 from agl_plugin_sqlite import SqliteStore
 from agl_core.data import Span, Task
-from agl_core.store import NewRollout
+from agl_core.rollout.store import NewRollout
 
 store = SqliteStore(sys.argv[1], batch_size=32)
 store.enqueue([NewRollout("r", Task(id="t", input={}))])

@@ -13,8 +13,8 @@ import threading
 import pytest
 
 from agl_core.data import Span, Task
-from agl_core.store import NewRollout
-from agl_core.store_client import HttpStore
+from agl_core.rollout.store import NewRollout
+from agl_core.rollout.store_client import HttpStore
 
 ROLLOUTS, CALLS, SPANS_PER_CALL = 30, 6, 4
 
@@ -95,7 +95,7 @@ def test_kill_9_and_restart_of_the_service_loses_and_doubles_no_span_and_the_wor
 
 DOOMED_CLIENT = """
 import sys
-from agl_core.store_client import HttpStore
+from agl_core.rollout.store_client import HttpStore
 
 attempt = HttpStore(sys.argv[1]).dequeue("doomed", lease_s=1.0, wait_s=30)
 print(attempt.rollout_id, attempt.attempt_id, flush=True)
@@ -147,7 +147,7 @@ def test_a_service_that_refuses_connections_is_retried_then_named(refusing_url, 
     assert tries >= 3  # retried with backoff, not given up at the first refusal
 
     store.add_spans([span("a", "1", 0)])
-    with caplog.at_level("ERROR", logger="agl_core.store_client"):
+    with caplog.at_level("ERROR", logger="agl_core.rollout.store_client"):
         store.flush()  # returns: the spans are lost, their attempt ended failed if the service could be told
     assert (f"1 span(s) of rollout a attempt 1 lost: the store service at {refusing_url} did not take them: the "
             f"store service at {refusing_url} did not answer add_spans") in caplog.text
@@ -157,7 +157,7 @@ def test_a_service_that_refuses_connections_is_retried_then_named(refusing_url, 
 
 
 def test_a_service_that_accepts_but_never_answers_is_timed_out_retried_then_named(monkeypatch):
-    monkeypatch.setattr("agl_core.store_client.REQUEST_TIMEOUT_S", 0.2)
+    monkeypatch.setattr("agl_core.rollout.store_client.REQUEST_TIMEOUT_S", 0.2)
     with socket.create_server(("127.0.0.1", 0), backlog=16) as silent:  # the kernel accepts; nobody answers
         url = f"http://127.0.0.1:{silent.getsockname()[1]}"
         store = HttpStore(url, connect_timeout_s=1.0)

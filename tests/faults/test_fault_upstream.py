@@ -19,7 +19,7 @@ import pytest
 from agl_core.config import GatewayConfig
 from agl_core.data import Task
 from agl_core.gateway import Gateway
-from agl_core.store import NewRollout
+from agl_core.rollout.store import NewRollout
 from agl_plugin_sqlite.store import SqliteStore
 
 MESSAGE = [{"role": "user", "content": "ping"}]

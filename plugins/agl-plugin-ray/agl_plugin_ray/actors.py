@@ -44,9 +44,9 @@ class RunnerActor:
     """One runner process: ``spec.workers`` agent workers on a thread of the actor, until the process ends."""
 
     def __init__(self, spec: RunnerSpec):
-        from agl_core.agents import load_agent
-        from agl_core.runner_service import serve_runner
-        from agl_core.store_client import HttpStore
+        from agl_core.rollout.agents import load_agent
+        from agl_core.rollout.runner_service import serve_runner
+        from agl_core.rollout.store_client import HttpStore
 
         agent = load_agent(spec.agent)  # a bad agent fails the actor's creation, which the trainer waits for
         store = HttpStore(spec.store_url, token=spec.store_token)

@@ -23,11 +23,11 @@ from agl_core.builtin.remote_runners import collect_step
 from agl_core.gateway.client import ADMIN_TOKEN_ENV as GATEWAY_ADMIN_TOKEN_ENV
 from agl_core.gateway.client import TOKEN_ENV as GATEWAY_TOKEN_ENV
 from agl_core.gateway.client import check_gateway
-from agl_core.http_rules import POLICY_TOKEN_ENV, is_loopback, token_from
+from agl_core.http.rules import POLICY_TOKEN_ENV, is_loopback, token_from
 from agl_core.plugins import PluginError
-from agl_core.runner import cancel_abandoned
-from agl_core.store_client import TOKEN_ENV as STORE_TOKEN_ENV
-from agl_core.store_client import HttpStore
+from agl_core.rollout.runner import cancel_abandoned
+from agl_core.rollout.store_client import TOKEN_ENV as STORE_TOKEN_ENV
+from agl_core.rollout.store_client import HttpStore
 from agl_plugin_ray import services
 from agl_plugin_ray.settings import DEFAULT_ACTORS, RayConfig
 

@@ -22,7 +22,7 @@ from agl_core.data import Task
 from agl_core.loop import Trainer
 from agl_core.plugins import PluginSet
 from agl_core.testing import BatchRecorder, PolicyEndpoints, check_plugin
-from agl_core.testing_endpoint import TestEndpoint
+from agl_core.testing.endpoint import TestEndpoint
 
 HERE = Path(__file__).resolve().parent
 WORDS = ["apple", "pear", "fig", "plum"]

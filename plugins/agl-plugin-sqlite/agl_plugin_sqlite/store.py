@@ -24,12 +24,12 @@ Files made before that index get it when opened (their duplicate spans, if
 any, are dropped first, keeping the first written).
 
 Each attempt has a lease token (column ``lease``) that heartbeat, finish,
-admit and span writes must name (:class:`~agl_core.store.LeaseError`
+admit and span writes must name (:class:`~agl_core.rollout.store.LeaseError`
 otherwise). Files made before leases get the column when opened (migrated in
 place, nothing else changes); an attempt running in such a file has no token,
 so its old worker cannot renew it and it is requeued when its lease runs out.
 
-Spans are checked (:func:`~agl_core.recordable.check_span`, the attempt and
+Spans are checked (:func:`~agl_core.http.recordable.check_span`, the attempt and
 its token) when added, in the caller's thread; a batch the writer then fails
 to write (a full disk: see ``max_bytes``) is lost alone and fails its
 attempts at their ``finish`` (which waits for the writer), and the writer
@@ -55,11 +55,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from agl_core.data import Rollout, Span, Task
-from agl_core.recordable import check_span
-from agl_core.span_batcher import SpanBatcher
-from agl_core.store import (FAILED, QUEUING, RUNNING, TERMINAL, Attempt, AttemptState, LeaseError, Leases, NewRollout,
-                            check_lease, conflict_error, ended_error, lease_expired_error, lost_spans_error,
-                            new_lease)
+from agl_core.http.recordable import check_span
+from agl_core.rollout.span_batcher import SpanBatcher
+from agl_core.rollout.store import (FAILED, QUEUING, RUNNING, TERMINAL, Attempt, AttemptState, LeaseError, Leases,
+                                    NewRollout, check_lease, conflict_error, ended_error, lease_expired_error,
+                                    lost_spans_error, new_lease)
 
 log = logging.getLogger("agl_plugin_sqlite")
 
@@ -117,7 +117,7 @@ _HINTS = {
 
 
 class SqliteStore:
-    """The :class:`~agl_core.store.Store` protocol on the SQLite file ``path``.
+    """The :class:`~agl_core.rollout.store.Store` protocol on the SQLite file ``path``.
 
     ``batch_size`` bounds the spans per insert transaction and ``max_pending``
     the spans waiting for the writer (``add_spans`` blocks beyond it, so

@@ -116,7 +116,7 @@ def evaluate(recipe_path: str, overrides: list[str], plugin_flags: list[str], *,
     from agl_core.config import load
     from agl_core.context import TrainContext
     from agl_core.plugins import call
-    from agl_core.tasks import load_tasks
+    from agl_core.rollout.tasks import load_tasks
 
     work = Path(tempfile.mkdtemp(prefix="agl-eval-"))
     overrides = [*overrides, f"trainer.run_dir={work / 'run'}", "trainer.progress=true"]

@@ -175,7 +175,7 @@ def on_train_start(ctx):
 
 def task_inputs(data) -> dict[str, Any]:
     """The inputs of the recipe's train and val tasks by id: what ``{task}`` shows the judge."""
-    from agl_core.tasks import load_tasks
+    from agl_core.rollout.tasks import load_tasks
 
     return {task.id: task.input for files, split in ((data.train_files, "train"), (data.val_files, "val"))
             for task in load_tasks(files, split)}

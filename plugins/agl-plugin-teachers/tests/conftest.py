@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agl_core.testing_endpoint import TestEndpoint
+from agl_core.testing.endpoint import TestEndpoint
 from agl_plugin_torch.backend import create
 from agl_plugin_torch.settings import TorchConfig
 from agl_plugin_torch.testing import restore_torch_threads, tiny_section  # noqa: F401 (an autouse fixture)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from agl_core.testing_endpoint import ByteTokenizer, response_logprob
+from agl_core.testing.endpoint import ByteTokenizer, response_logprob
 from agl_plugin_teachers.distill_math import reverse_kl, reverse_kl_advantages
 from agl_plugin_teachers.endpoints import Served, tokenizer_fingerprint
 from agl_plugin_teachers.settings import TeacherConfig

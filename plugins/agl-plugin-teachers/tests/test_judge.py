@@ -9,7 +9,7 @@ import re
 import pytest
 
 from agl_core.data import Rollout, Span
-from agl_core.testing_endpoint import ByteTokenizer
+from agl_core.testing.endpoint import ByteTokenizer
 from agl_plugin_teachers.endpoints import Served
 from agl_plugin_teachers.judge import Judge, parse_verdict
 from agl_plugin_teachers.settings import JudgeConfig

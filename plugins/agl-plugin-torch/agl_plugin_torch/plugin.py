@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agl_core import HOOK_API_VERSION, hookimpl
-from agl_core.async_rollouts import SYNCS_BETWEEN_CALLS, WEIGHT_SYNC
-from agl_core.http_rules import POLICY_TOKEN_ENV, policy_token
+from agl_core.http.rules import POLICY_TOKEN_ENV, policy_token
 from agl_core.lazy_import import LazyModule
 from agl_core.plugins import PluginError
+from agl_core.rollout.async_rollouts import SYNCS_BETWEEN_CALLS, WEIGHT_SYNC
 
 from agl_plugin_torch.settings import LOSS_COLUMNS, NAME, TorchConfig
 

@@ -34,7 +34,7 @@ into ``message.tool_calls`` (finish reason ``"tool_calls"``), in the formats
 :mod:`agl_core.gateway.tool_calls` documents; a ``tool_choice`` naming a function
 starts the model's answer with the opening of that call.
 Every field is checked before the request reaches the engine (the rules of
-:mod:`agl_core.http_rules`): a value the engine cannot sample with is a 400
+:mod:`agl_core.http.rules`): a value the engine cannot sample with is a 400
 that names the field, never a failure of the batch it would have joined.
 
 Any model name is accepted and answered by the one policy: agents are written
@@ -65,11 +65,11 @@ from transformers import PreTrainedTokenizerBase
 from agl_core.gateway.streaming import EVENT_STREAM
 from agl_core.gateway.tool_calls import (forced_function, forced_opening, offered_tools, parse_forced_call,
                                          parse_tool_calls, template_messages, tool_format)
-from agl_core.http_rules import (POLICY_TOKEN_ENV, RequestError, check_bearer, check_sampling, error_response,
+from agl_core.http.rules import (POLICY_TOKEN_ENV, RequestError, check_bearer, check_sampling, error_response,
                                  health_response, parse_json_object, policy_token, read_body,
                                  require_token_off_loopback)
-from agl_core.http_limits import ServerLimits
-from agl_core.http_server import ServerThread
+from agl_core.http.limits import ServerLimits
+from agl_core.http.server import ServerThread
 
 from agl_plugin_torch.engine import Engine, Generated
 from agl_plugin_torch.sampling import SamplingParams

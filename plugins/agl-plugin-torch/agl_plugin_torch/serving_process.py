@@ -27,7 +27,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from agl_core.config import ConfigError
-from agl_core.http_server import ServerThread
+from agl_core.http.server import ServerThread
 
 from agl_plugin_torch.engine import Engine
 from agl_plugin_torch.server import PolicyServer

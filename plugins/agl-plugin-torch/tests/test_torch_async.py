@@ -23,13 +23,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from agl_core import HOOK_API_VERSION, hookimpl
 from agl_core.config import load
 from agl_core.data import Task
 from agl_core.loop import Trainer
-from agl_core.staleness import served_version, staleness
-from agl_core.store import QUEUING, RUNNING
+from agl_core.rollout.staleness import served_version, staleness
+from agl_core.rollout.store import QUEUING, RUNNING
 from agl_core.testing import BatchRecorder
-from agl_core import HOOK_API_VERSION, hookimpl
 
 from agl_plugin_torch.testing import tiny_section
 from test_torch_run import recipe_file

@@ -15,9 +15,9 @@ from agl_core.builtin.memory_store import MemoryStore
 from agl_core.config import GatewayConfig
 from agl_core.data import Rollout, Task
 from agl_core.gateway import Gateway
-from agl_core.context_record import EDITED, EXACT, FIRST, REBUILT
-from agl_core.runner import context_metrics
-from agl_core.store import NewRollout
+from agl_core.rollout.context_record import EDITED, EXACT, FIRST, REBUILT
+from agl_core.rollout.runner import context_metrics
+from agl_core.rollout.store import NewRollout
 from agl_plugin_traces.trajectory import trajectory_batch
 
 from agl_plugin_torch.backend import create

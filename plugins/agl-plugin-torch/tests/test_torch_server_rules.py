@@ -11,7 +11,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from agl_core.http_rules import POLICY_TOKEN_ENV
+from agl_core.http.rules import POLICY_TOKEN_ENV
 from agl_plugin_torch.backend import create
 from agl_plugin_torch.settings import TorchConfig
 from agl_plugin_torch.testing import tiny_section

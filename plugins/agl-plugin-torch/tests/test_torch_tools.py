@@ -15,7 +15,7 @@ from agl_core.data import Task
 from agl_core.gateway import Gateway
 from agl_core.gateway.tool_calls import (HERMES, PYTHONIC, forced_opening, parse_forced_call, parse_tool_calls,
                                          template_messages, tool_format)
-from agl_core.store import NewRollout
+from agl_core.rollout.store import NewRollout
 
 from agl_plugin_torch.backend import create
 from agl_plugin_torch.modeling import CHAT_TEMPLATE

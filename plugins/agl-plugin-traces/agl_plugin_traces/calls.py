@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
 
-from agl_core.agents import STATE_KEY
 from agl_core.data import LogProbs, Rollout, TokenIds, Triplet
+from agl_core.rollout.agents import STATE_KEY
 
 
 @dataclass(slots=True)
@@ -31,7 +31,7 @@ class Call:
     names the same call in the trace whatever was skipped before it.
     ``reward`` is the call's own reward, the sum of the reward spans attached
     to it, or None when the agent emitted none for it. ``state_key`` is the
-    state the agent said the call was made in (:func:`agl_core.agents.emit_state_key`),
+    state the agent said the call was made in (:func:`agl_core.rollout.agents.emit_state_key`),
     or None.
     """
 
@@ -101,7 +101,7 @@ def rollout_calls(rollout: Rollout, counts: TraceCounts) -> list[Call]:
     A ``reward`` span rewards the closest preceding ``llm_call`` span; when that
     call was skipped, its reward is counted as unattached. Several rewards of
     one call add up. An ``annotation`` span with a ``state_key`` attribute
-    (:func:`agl_core.agents.emit_state_key`) names the state of the next
+    (:func:`agl_core.rollout.agents.emit_state_key`) names the state of the next
     ``llm_call`` span (the last such annotation before the call wins); a retry
     keeps the state key of the call it replaces unless it was given its own.
 

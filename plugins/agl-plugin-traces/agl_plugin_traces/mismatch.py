@@ -3,7 +3,7 @@
 When an agent's next prompt is not ``previous prompt + previous response +
 new tokens`` token for token, the trajectory aggregator starts a new row and
 counts the break under one class. When the gateway recorded how it made the
-call's prompt (``attributes["context"]``, :mod:`agl_core.context_record`),
+call's prompt (``attributes["context"]``, :mod:`agl_core.rollout.context_record`),
 the class is what it saw:
 
 ``agent_edit``
@@ -40,7 +40,7 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
-from agl_core.context_record import AGENT_REASONS, EXACT, REBUILT
+from agl_core.rollout.context_record import AGENT_REASONS, EXACT, REBUILT
 
 CLASSES = ("agent_edit", "re_rendered", "template", "retokenization", "other", "unclassified")
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from agl_core.context_record import EDITED, NEW_CONVERSATION
+from agl_core.rollout.context_record import EDITED, NEW_CONVERSATION
 from agl_plugin_traces.mismatch import classify_break
 from agl_plugin_traces.trajectory import trajectory_batch
 from traces_testkit import conversation, llm, logprobs_of, reward, rollout, rows, score_at

@@ -31,7 +31,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from agl_core import HOOK_API_VERSION, hookimpl
-from agl_core.trackers import chartable, curves_png
+from agl_core.builtin.trackers import chartable, curves_png
 
 AGL_HOOK_API = HOOK_API_VERSION
 NAME = "wandb"

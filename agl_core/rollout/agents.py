@@ -40,7 +40,7 @@ import importlib_metadata
 
 if TYPE_CHECKING:  # agl_core.data imports torch; `import agl_core` stays light without it
     from agl_core.data import Task
-    from agl_core.store import Store
+    from agl_core.rollout.store import Store
 
 ENTRY_POINT_GROUP = "agl_core.agents"
 STATE_KEY = "state_key"

@@ -4,7 +4,7 @@ The gateway and the test policy endpoint run next to the trainer this way.
 Binding the socket here (port 0: the OS picks a free port) makes the URL known
 before the server starts, so callers never race for a port. Every server of
 the project runs this way (uvicorn on uvloop and httptools), with the limits
-of :mod:`agl_core.http_limits` on what one client may hold.
+of :mod:`agl_core.http.limits` on what one client may hold.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import uvicorn
 
 from agl_core.config import ConfigError
-from agl_core.http_limits import ServerLimits, protocol_with, raise_fd_limit
+from agl_core.http.limits import ServerLimits, protocol_with, raise_fd_limit
 
 SHUTDOWN_S = 10
 """How long a stopping server waits for the requests in flight before it cancels them."""
@@ -28,7 +28,7 @@ SHUTDOWN_S = 10
 
 class ServerThread:
     """A uvicorn server for ``app`` on ``host:port``, run by a daemon thread, within ``limits``
-    (:class:`~agl_core.http_limits.ServerLimits`: connections, header bytes and seconds, keep-alive).
+    (:class:`~agl_core.http.limits.ServerLimits`: connections, header bytes and seconds, keep-alive).
 
     ``start()`` returns once the server accepts connections (or raises after
     ``timeout_s``); ``stop()`` asks it to exit and joins the thread. An address

@@ -43,7 +43,7 @@ Knobs for tests: ``fail_next`` (statuses to answer the next calls with, e.g.
 ``[503, 429]``), ``delay_s`` (sleep before answering), ``token_delay_s``
 (sleep between streamed chunks), ``requests`` (the last bodies received),
 ``streams_cut`` (streams whose client left before their end). Run it alone
-with ``python -m agl_core.testing_endpoint --port 0 [--token-delay-s S]``; it prints its URL.
+with ``python -m agl_core.testing.endpoint --port 0 [--token-delay-s S]``; it prints its URL.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agl_core.http_server import ServerThread
+from agl_core.http.server import ServerThread
 
 
 class ByteTokenizer:

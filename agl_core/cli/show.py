@@ -67,3 +67,15 @@ def _ranges(steps: list[int]) -> str:
             parts.append(str(start) if start == prev else f"{start}-{prev}")
             start = cur
     return ", ".join(parts)
+
+
+def cmd_plot(args) -> int:
+    from agl_core.builtin.plot import plot_run
+
+    print(plot_run(args.run_dir, args.out))
+    return 0
+
+
+def cmd_show(args) -> int:
+    show(args.run_dir, args.step, args.rows)
+    return 0

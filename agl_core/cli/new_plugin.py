@@ -16,7 +16,7 @@ from pathlib import Path
 from agl_core import __version__
 from agl_core.plugins import HOOK_KINDS, RESERVED_NAMES, did_you_mean
 
-TEMPLATE = Path(__file__).parent / "templates" / "plugin"
+TEMPLATE = Path(__file__).parents[1] / "templates" / "plugin"
 DEFAULT_HOOKS = ("register_estimators", "log_metrics")
 TEMPLATED_HOOKS = {
     "register_estimators": "an advantage estimator NAME_baseline (reward minus its group's mean)",
@@ -87,3 +87,7 @@ def main(args) -> int:
           f"next:\n  pip install -e {output}\n  python -m pytest {output}/tests\n"
           f"  agl train RECIPE -p {args.name}", file=sys.stdout)
     return 0
+
+
+def cmd_new_plugin(args) -> int:
+    return main(args)

@@ -1,27 +1,27 @@
 """``agl runner``: agent workers on any machine, leasing rollouts from a store and calling a gateway.
 
-The workers are the local runner's (:class:`~agl_core.runner.LocalRunner`):
+The workers are the local runner's (:class:`~agl_core.rollout.runner.LocalRunner`):
 threads, or an event loop per thread for async agents; leases renewed while
 an attempt runs; an attempt past ``timeout_s`` ended ``timed_out``; an
 agent's exception recorded as a failure with its text. Whoever queued the
-rollouts waits for them with :func:`agl_core.runner.collect`.
+rollouts waits for them with :func:`agl_core.rollout.runner.collect`.
 
 Another host of runners (a Ray actor, a test) calls, with any
-:class:`~agl_core.store.Store`::
+:class:`~agl_core.rollout.store.Store`::
 
     serve_runner(store, gateway_url, agent, *, stop, workers=8, model="policy", api_key="agl",
                  timeout_s=600.0, lease_s=30.0, drain_s=30.0, timeout_setting="timeout_s") -> None
 
 It runs ``workers`` agent workers on rollouts leased from ``store`` until
 the :class:`threading.Event` ``stop`` is set; every attempt's
-:class:`~agl_core.agents.LLM` has the base URL
+:class:`~agl_core.rollout.agents.LLM` has the base URL
 ``Gateway.base_url(gateway_url, rollout_id, attempt_id, lease)``, ``model`` and
 ``api_key`` (the gateway's token, or any string when it has none), and no
 ``sampling``: the gateway adds the run's to calls that do not set it. Once
 ``stop`` is set it leases nothing more and gives the running attempts up to
 ``drain_s`` seconds to end, renewing their leases; an attempt still running
 then is left to its lease, so the store hands it to another runner. ``agent``
-is the function itself (:func:`agl_core.agents.load_agent` turns a
+is the function itself (:func:`agl_core.rollout.agents.load_agent` turns a
 ``module:function`` spec into it). Importing this module starts nothing.
 """
 
@@ -32,16 +32,16 @@ import logging
 import threading
 from collections.abc import Callable
 
-from agl_core.agents import LLM, load_agent
 from agl_core.gateway.client import TOKEN_ENV as GATEWAY_TOKEN_ENV
 from agl_core.gateway.client import check_gateway, check_service
 from agl_core.gateway.server import Gateway
-from agl_core.http_rules import token_from
-from agl_core.http_server import stop_on_signals
-from agl_core.runner import LocalRunner
-from agl_core.store import Store
+from agl_core.http.rules import token_from
+from agl_core.http.server import stop_on_signals
+from agl_core.rollout.agents import LLM, load_agent
+from agl_core.rollout.runner import LocalRunner
+from agl_core.rollout.store import Store
 
-log = logging.getLogger("agl_core.runner_service")
+log = logging.getLogger("agl_core.rollout.runner_service")
 
 
 def serve_runner(store: Store, gateway_url: str, agent: Callable, *, stop: threading.Event, workers: int = 8,
@@ -72,8 +72,8 @@ def serve_runner(store: Store, gateway_url: str, agent: Callable, *, stop: threa
 
 def main(args) -> int:
     """``agl runner``: check the store and the gateway answer, then serve until SIGINT or SIGTERM; 0 once stopped."""
-    from agl_core.store_client import TOKEN_ENV as STORE_TOKEN_ENV
-    from agl_core.store_client import HttpStore
+    from agl_core.rollout.store_client import TOKEN_ENV as STORE_TOKEN_ENV
+    from agl_core.rollout.store_client import HttpStore
 
     for flag in ("workers", "timeout_s", "lease_s"):
         if getattr(args, flag) <= 0:

@@ -28,7 +28,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from agl_core.recordable import MAX_REQUEST_DEPTH, NotRecordable, check_json, deep_path
+from agl_core.http.recordable import MAX_REQUEST_DEPTH, NotRecordable, check_json, deep_path
 
 INT64_MAX = 2**63 - 1
 
@@ -147,7 +147,7 @@ async def read_body(request: Request, limit: int, limit_setting: str, timeout_s:
 
 def parse_json_object(raw: bytes, max_depth: int = MAX_REQUEST_DEPTH) -> dict[str, Any]:
     """The body as a JSON object, or the RequestError (400) that says what is wrong with it: not JSON, not an
-    object, nested deeper than ``max_depth`` levels, or holding a lone surrogate (:mod:`agl_core.recordable`:
+    object, nested deeper than ``max_depth`` levels, or holding a lone surrogate (:mod:`agl_core.http.recordable`:
     what no store could record), the last two naming the path."""
     try:
         body = json.loads(raw)

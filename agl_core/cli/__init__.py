@@ -9,18 +9,18 @@ RECIPE key=value``).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-import platform
-import signal
 import sys
 from importlib import metadata
-from pathlib import Path
 
-from agl_core import HOOK_API_VERSION, __version__
-from agl_core.config import ConfigError, load, resolved, to_yaml
-from agl_core.plugins import HOOK_KINDS, TRACE_ENV, PluginError, PluginSet, did_you_mean, parse_plugin_flags
+from agl_core import __version__
+from agl_core.cli.new_plugin import cmd_new_plugin
+from agl_core.cli.plugins import cmd_config_show, cmd_doctor, cmd_plugins
+from agl_core.cli.serve import cmd_runner, cmd_serve_gateway, cmd_serve_store
+from agl_core.cli.show import cmd_plot, cmd_show
+from agl_core.cli.train import cmd_export, cmd_train
+from agl_core.config import ConfigError
+from agl_core.plugins import TRACE_ENV, PluginError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="show a failed plugin's import traceback and every warning")
     plugins.set_defaults(run=cmd_plugins)
 
-    from agl_core.new_plugin import DEFAULT_HOOKS, TEMPLATED_HOOKS
+    from agl_core.cli.new_plugin import DEFAULT_HOOKS, TEMPLATED_HOOKS
 
     templated = "\n".join(f"  {hook:<24} {what}" for hook, what in TEMPLATED_HOOKS.items())
     new_plugin = sub.add_parser(
@@ -201,246 +201,9 @@ def add_plugin_commands(sub) -> None:
 
 
 def _service_flags(parser: argparse.ArgumentParser, token_env: str) -> None:
-    """Where a service listens and the token it requires (the rules of agl_core.http_rules)."""
+    """Where a service listens and the token it requires (the rules of agl_core.http.rules)."""
     parser.add_argument("--host", default="127.0.0.1", help="address to bind; anything but loopback needs a token")
     parser.add_argument("--port", type=int, default=0, help="port to bind (0: a free one; the URL is printed)")
     parser.add_argument("--token", help=f"bearer token callers must send (default: ${token_env})")
     parser.add_argument("--max-connections", type=int, default=1024,
                         help="connections served at once; one more is answered 503 and closed (docs/reliability.md)")
-
-
-def cmd_train(args) -> int:
-    """Run the recipe. SIGINT (Ctrl-C) and SIGTERM stop it the same clean way: once the running step
-    ends (a second signal: at once), every plugin's ``on_train_end`` runs, the run directory is released,
-    and the exit code is 128 + the signal."""
-    from agl_core.checkpoint import latest_checkpoint
-    from agl_core.loop import Trainer
-    from agl_core.stop import Interrupted, raise_interrupted
-
-    if args.trace_hooks:
-        os.environ[TRACE_ENV] = "1"  # read when the plugin set is loaded
-    signal.signal(signal.SIGTERM, raise_interrupted)  # until the trainer exists: stop at once
-    trainer = None
-    try:
-        recipe, plugins = load(args.recipe, args.overrides, args.plugin_flags)
-        trainer = Trainer(recipe, plugins)
-        trainer.stop.install()
-        trainer.fit()
-    except KeyboardInterrupt as exc:
-        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
-        if trainer is None:
-            print(f"agl: interrupted by {signal.Signals(signum).name} before training began", file=sys.stderr)
-            return 128 + signum
-        last = latest_checkpoint(trainer.ctx.run_dir)
-        then = (f"continue from its last checkpoint ({last.name}) with trainer.resume=auto" if last is not None
-                else "it wrote no checkpoint yet (trainer.save_freq), so a rerun starts over")
-        print(f"agl: interrupted by {signal.Signals(signum).name} at step {trainer.ctx.step} of "
-              f"{trainer.ctx.run_dir}; {then}", file=sys.stderr)
-        return 128 + signum
-    return 0
-
-
-def cmd_plugins(args) -> int:
-    """List the installed plugins: status, hooks, wrappers, warnings (``--verbose``: import tracebacks)."""
-    if args.hook is not None and args.hook not in HOOK_KINDS:
-        raise PluginError(f"--hook {args.hook!r}: no such hook{did_you_mean(args.hook, HOOK_KINDS)}; "
-                          f"hooks: {', '.join(sorted(HOOK_KINDS))}")
-    enable, disable = parse_plugin_flags(args.plugin_flags)
-    pset = PluginSet.load(enable=enable, disable=disable)
-    rows = [
-        {"name": p.name, "distribution": p.distribution, "version": p.version, "status": p.status,
-         "builtin": p.builtin, "hooks": p.hooks, "hook_kinds": {hook: HOOK_KINDS[hook] for hook in p.hooks},
-         "wrappers": p.wrappers, "order": p.order if p.obj is not None else None,
-         "warnings": p.warnings, "reason": p.reason, "traceback": p.traceback}
-        for p in pset.plugins.values()
-        if args.hook is None or args.hook in p.hooks or args.hook in p.wrappers
-    ]
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"agl_core plugins (hook API {HOOK_API_VERSION})")
-    for column in ("name", "distribution", "version", "status", "hooks"):
-        table.add_column(column)
-    for row in rows:
-        status = row["status"] + (f": {row['reason']}" if row["reason"] and row["status"] != "active" else "")
-        hooks = ", ".join(row["hooks"] + [f"{hook} (wrapper)" for hook in row["wrappers"]])
-        if row["warnings"]:
-            status += f" ({len(row['warnings'])} warning{'s' * (len(row['warnings']) > 1)})"
-        table.add_row(row["name"], row["distribution"] or "", row["version"] or "", status, hooks)
-    console = Console(width=160)
-    console.print(table)
-    for row in rows:
-        for warning in row["warnings"]:
-            console.print(f"warning: plugin {row['name']}: {warning}", markup=False, highlight=False)
-        if args.verbose and row["traceback"]:
-            console.print(f"\nplugin {row['name']} failed to import:\n{row['traceback']}", markup=False,
-                          highlight=False)
-    if not args.verbose and any(row["traceback"] for row in rows):
-        console.print("(agl plugins --verbose shows the import tracebacks)", markup=False, highlight=False)
-    return 0
-
-
-def cmd_new_plugin(args) -> int:
-    from agl_core.new_plugin import main as new_plugin
-
-    return new_plugin(args)
-
-
-def cmd_config_show(args) -> int:
-    recipe, _ = load(args.recipe, args.overrides, args.plugin_flags)
-    print(to_yaml(resolved(recipe)), end="")
-    return 0
-
-
-def cmd_doctor(args) -> int:
-    """Versions; the registered components with their plugins; with a recipe, who fills each slot."""
-    from agl_core.components import Components
-
-    print(f"python     {platform.python_version()}")
-    print(f"agl_core   {__version__} (hook API {HOOK_API_VERSION})")
-    for dist in ("torch", "verl", "ray", "transformers", "tensordict", "pluggy", "pydantic", "omegaconf"):
-        try:
-            version = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            version = "not installed"
-        print(f"{dist:<10} {version}")
-    if args.recipe is None:
-        recipe = None
-        enable, disable = parse_plugin_flags(args.plugin_flags)
-        plugins = PluginSet.load(enable=enable, disable=disable)
-    else:
-        recipe, plugins = load(args.recipe, args.overrides, args.plugin_flags)
-    components = Components.collect(plugins)
-    print_components(components, plugins)
-    if recipe is None:
-        return 0
-    from agl_core.wiring import needed_slots
-
-    needed, _, _ = needed_slots(recipe, components, validates=True)
-    print(f"\nrecipe {args.recipe}\nslots:")
-    problems = 0
-    for hook in sorted(h for h, kind in HOOK_KINDS.items() if kind == "slot"):
-        try:
-            resolved_slot = plugins.resolve_slot(hook, recipe.plugins.slots.get(hook), required=False)
-            text = resolved_slot[0] if resolved_slot else "(empty)"
-        except PluginError as exc:
-            resolved_slot, text = None, f"AMBIGUOUS: {exc}"
-        missing = hook in needed and resolved_slot is None
-        problems += missing
-        print(f"  {hook:<22} {text}{'   <- needed by this recipe' if missing else ''}")
-    stages = plugins.pipeline("post_process_batch", recipe.plugins.order.get("post_process_batch"))
-    print("post_process_batch pipeline: " + (" -> ".join(n for n, _ in stages) or "(empty)"))
-    return 1 if problems else 0
-
-
-DOCTOR_KINDS = (("estimator", "estimators"), ("policy_loss", "policy losses"), ("aggregator", "aggregators"),
-                ("store", "stores"), ("actor_transform", "actor transforms"))
-
-
-def print_components(components, plugins: PluginSet) -> None:
-    """Each registered component and logger with the plugin that provides it; inactive providers marked."""
-    from agl_core.components import REGISTRATION_HOOKS, offered_names
-
-    for kind, title in DOCTOR_KINDS:
-        print(f"\n{title}:")
-        rows = [(c.name, c.plugin) for c in components.all(kind)]
-        for plugin in plugins.plugins.values():
-            if plugin.status == "active":
-                continue
-            for name in offered_names(plugin, REGISTRATION_HOOKS[kind]):
-                rows.append((name, f"{plugin.name} (not active: -p {plugin.name})"))
-        print_rows(sorted(rows) or [("(none)", "")])
-    print("\nloggers (log_metrics):")
-    active = {name for name, _ in plugins.implementations("log_metrics")}
-    for name in plugins.providers("log_metrics"):
-        print(f"  {name}{'' if name in active else f' (not active: -p {name})'}")
-    print("\nwrappers (outermost first):")
-    wrapped = sorted({hook for plugin in plugins.plugins.values() for hook in plugin.wrappers})
-    rows = []
-    for hook in wrapped:
-        active_wrappers = plugins.wrappers_of(hook)
-        inactive = [f"{p.name} (not active: -p {p.name})" for p in plugins.plugins.values()
-                    if hook in p.wrappers and p.name not in active_wrappers]
-        rows.append((hook, ", ".join(active_wrappers + inactive)))
-    print_rows(rows or [("(none)", "")])
-
-
-def print_rows(rows: list[tuple[str, str]]) -> None:
-    """Two columns, the first as wide as its longest entry."""
-    width = max(len(name) for name, _ in rows)
-    for name, owner in rows:
-        print(f"  {name:<{width}}  {owner}".rstrip())
-
-
-def cmd_export(args) -> int:
-    """Ask the plugins of the run's recipe to export its checkpoint; exactly one must (hook ``export_model``)."""
-    from agl_core.checkpoint import locate
-    from agl_core.components import Components
-    from agl_core.context import TrainContext
-
-    given = Path(args.run_dir)
-    run_dir, checkpoint = locate(given)
-    recipe_file = run_dir / "config.yaml"
-    if not recipe_file.is_file():
-        raise ValueError(f"{given} is not a run directory or a checkpoint of one: {recipe_file} does not exist")
-    if checkpoint is None:
-        raise ValueError(f"the run directory {run_dir} holds no complete checkpoint to export "
-                         f"(checkpoints are written every trainer.save_freq steps and at the end)")
-    out = Path(args.merged or args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"{out} exists and is not an empty directory; choose a new one")
-    recipe, plugins = load(recipe_file, args.overrides, args.plugin_flags)
-    ctx = TrainContext(recipe, plugins, Components.collect(plugins), run_dir)
-    results = plugins.broadcast("export_model", ctx=ctx, path=str(checkpoint), out=str(out),
-                                merged=args.merged is not None)
-    exported = {name: result for name, result in results.items() if result is not None}
-    if not exported:
-        asked = ", ".join(results) or "none of the run's active plugins implements export_model"
-        raise ValueError(f"no plugin of run {run_dir} can export its checkpoint {checkpoint.name} "
-                         f"(asked: {asked}; installed exporters: "
-                         f"{', '.join(plugins.providers('export_model')) or 'none'})")
-    if len(exported) > 1:
-        raise PluginError(f"plugins {', '.join(exported)} all exported {checkpoint} to {out}; "
-                          f"disable all but one with -p no:NAME")
-    (name, where), = exported.items()
-    print(f"{where}  ({'merged' if args.merged else 'exported'} by plugin {name} from {checkpoint})")
-    return 0
-
-
-def cmd_serve_store(args) -> int:
-    from agl_core.store_server import main as serve_store
-
-    return serve_store(args)
-
-
-def cmd_serve_gateway(args) -> int:
-    from agl_core.gateway.service import main as serve_gateway
-
-    return serve_gateway(args)
-
-
-def cmd_runner(args) -> int:
-    from agl_core.runner_service import main as run_runner
-
-    return run_runner(args)
-
-
-def cmd_plot(args) -> int:
-    from agl_core.plot import plot_run
-
-    print(plot_run(args.run_dir, args.out))
-    return 0
-
-
-def cmd_show(args) -> int:
-    from agl_core.show import show
-
-    show(args.run_dir, args.step, args.rows)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

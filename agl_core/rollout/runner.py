@@ -8,7 +8,7 @@ calls are recorded for its own attempt only). A worker stuck in an agent that ti
 out is retired and replaced (a Python thread cannot be killed), so a hung
 agent costs a thread, never the step. The workers run in the trainer's
 process (the ``local_runner`` plugin) or in a runner process anywhere
-(:mod:`agl_core.runner_service`): they only need a store.
+(:mod:`agl_core.rollout.runner_service`): they only need a store.
 
 :func:`collect` is the trainer's side, whoever runs the workers: it queues
 ``samples`` rollouts per task and waits until every one has ended, requeuing
@@ -35,12 +35,13 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from agl_core.agents import LLM, RolloutScope, agent_name, as_reward, rollout_scope
 from agl_core.data import Rollout, Task
-from agl_core.context_record import EXACT, REBUILT
-from agl_core.store import FAILED, QUEUING, RUNNING, SPANS_LOST, SUCCEEDED, TIMED_OUT, Attempt, NewRollout, Store
+from agl_core.rollout.agents import LLM, RolloutScope, agent_name, as_reward, rollout_scope
+from agl_core.rollout.context_record import EXACT, REBUILT
+from agl_core.rollout.store import (FAILED, QUEUING, RUNNING, SPANS_LOST, SUCCEEDED, TIMED_OUT, Attempt, NewRollout,
+                                    Store)
 
-log = logging.getLogger("agl_core.runner")
+log = logging.getLogger("agl_core.rollout.runner")
 STALL_WARNING_S = 60.0
 """How long a step may wait without any of its rollouts ending before :func:`wait_all` warns."""
 
@@ -81,7 +82,7 @@ class RunResult:
 class LocalRunner:
     """Runs ``agent`` on rollouts from ``store`` with ``n_workers`` threads.
 
-    ``llm_for(rollout_id, attempt_id, lease)`` builds the :class:`~agl_core.agents.LLM`
+    ``llm_for(rollout_id, attempt_id, lease)`` builds the :class:`~agl_core.rollout.agents.LLM`
     an attempt gets (its base URL points at the gateway and carries the lease token). ``max_attempts`` is
     what :meth:`run` gives the rollouts it queues. ``timeout_setting`` names
     where ``timeout_s`` was set, for the error of a timed-out attempt.
@@ -255,7 +256,7 @@ def collect(store: Store, tasks: list[Task], samples: int = 1, *, metadata: dict
     attempts whose lease ran out, so the rollouts of a lost runner go to
     another (or fail, when out of attempts) even if no runner is asking for
     work. The rollouts are released from the store once read. ``ahead``
-    queues them ahead of those already queued (:class:`~agl_core.store.NewRollout`).
+    queues them ahead of those already queued (:class:`~agl_core.rollout.store.NewRollout`).
     """
     ids = enqueue_samples(store, tasks, samples, metadata=metadata, id_prefix=id_prefix, max_attempts=max_attempts,
                           ahead=ahead)

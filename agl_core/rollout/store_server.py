@@ -1,8 +1,8 @@
 """The rollout store as an HTTP service: ``agl serve store --db PATH [--host H] [--port P] [--token T]``.
 
-It serves the :class:`~agl_core.store.Store` protocol of one SQLite file
+It serves the :class:`~agl_core.rollout.store.Store` protocol of one SQLite file
 (agl-plugin-sqlite's store) to any number of trainers, gateways and runners
-(:class:`agl_core.store_client.HttpStore` speaks it). It prints its URL on
+(:class:`agl_core.rollout.store_client.HttpStore` speaks it). It prints its URL on
 stdout once it accepts connections and serves until SIGINT or SIGTERM; then
 it finishes the requests in flight and closes the store (every span written).
 
@@ -39,11 +39,11 @@ method                request                                       answer
 
 Tasks, spans and rollouts are their pydantic models as JSON. ``GET /healthz``
 answers ``{"ok": true}`` (with the file's path for a caller with the token).
-Errors use the format of :func:`agl_core.http_rules.error_response`: 400 for
+Errors use the format of :func:`agl_core.http.rules.error_response`: 400 for
 a body that is not the method's (naming the field) or that the store refuses
 (a rollout id already queued, a status that is not terminal, a span no
 reader could read back: nested deeper than
-:data:`~agl_core.recordable.MAX_SPAN_DEPTH` or holding a lone surrogate,
+:data:`~agl_core.http.recordable.MAX_SPAN_DEPTH` or holding a lone surrogate,
 named by its path), 401 without the token, 404 of type ``unknown_rollout``
 for the protocol's KeyError (another 404 names the unknown method), 409 of
 type ``lease`` for the protocol's LeaseError (a lease token that is not the
@@ -52,7 +52,7 @@ a span held under their sequence id), 413 for a body over the limit, 500
 for a failure of the store.
 
 **Choices.** The service keeps the rules of every server of the project
-(:mod:`agl_core.http_rules`). Store calls run on the event loop, where a
+(:mod:`agl_core.http.rules`). Store calls run on the event loop, where a
 hop to a thread and back would cost more than their SQLite transaction or
 two (spans are written at once, one transaction per upload: the clients
 batch them). A long poll (:data:`WAITING_METHODS`) is tried there too, and
@@ -97,15 +97,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
 from agl_core.data import Span, Task
-from agl_core.http_limits import ServerLimits
-from agl_core.http_rules import (RequestError, check_authorization, error_body, error_response, health_response,
+from agl_core.http.limits import ServerLimits
+from agl_core.http.rules import (RequestError, check_authorization, error_body, error_response, health_response,
                                  parse_json_object, read_body, require_token_off_loopback, token_from)
-from agl_core.http_server import ServerThread, stop_on_signals
-from agl_core.recordable import MAX_SPAN_DEPTH
-from agl_core.store import FAILED, SUCCEEDED, TIMED_OUT, AttemptState, LeaseError, NewRollout, Store, lost_spans_error
-from agl_core.store_client import LEASE, TOKEN_ENV, UNKNOWN_ROLLOUT, Rollouts
+from agl_core.http.recordable import MAX_SPAN_DEPTH
+from agl_core.http.server import ServerThread, stop_on_signals
+from agl_core.rollout.store import (FAILED, SUCCEEDED, TIMED_OUT, AttemptState, LeaseError, NewRollout, Store,
+                                    lost_spans_error)
+from agl_core.rollout.store_client import LEASE, TOKEN_ENV, UNKNOWN_ROLLOUT, Rollouts
 
-log = logging.getLogger("agl_core.store_server")
+log = logging.getLogger("agl_core.rollout.store_server")
 
 LONG_POLL_S = 5.0
 """The longest a ``dequeue`` or ``wait`` request waits here; the client asks again until its deadline."""

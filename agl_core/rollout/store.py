@@ -23,7 +23,7 @@ span is accepted only for the running attempt, under its lease token
 unknown or ended attempt raise :class:`LeaseError`, and so does a span whose
 key (rollout, attempt, sequence id) is already held with other content (the
 same span written again is idempotent). Every span is checked with
-:func:`agl_core.recordable.check_span` when it is added, so a span a store
+:func:`agl_core.http.recordable.check_span` when it is added, so a span a store
 could not write back faithfully fails its own call, never a writer thread.
 A span accepted and then lost (a full disk) fails its own attempt: its
 ``finish`` ends it ``failed`` with :data:`SPANS_LOST` in the error. A
@@ -192,7 +192,7 @@ class Store(Protocol):
         in batches; :meth:`flush` and every read see them.
 
         Checked before anything is written, all or nothing: ValueError
-        (:class:`~agl_core.recordable.NotRecordable`) naming the field of a
+        (:class:`~agl_core.http.recordable.NotRecordable`) naming the field of a
         span no reader could read back; LeaseError for a span of an ended
         attempt, without its lease token, or conflicting with a span held
         under its key; a store may raise KeyError for spans of a rollout it

@@ -1,6 +1,6 @@
-"""``HttpStore``: the :class:`~agl_core.store.Store` protocol, spoken to a store service over HTTP.
+"""``HttpStore``: the :class:`~agl_core.rollout.store.Store` protocol, spoken to a store service over HTTP.
 
-The service is ``agl serve store`` (:mod:`agl_core.store_server`, which
+The service is ``agl serve store`` (:mod:`agl_core.rollout.store_server`, which
 documents the wire format). Any trainer, runner, gateway or script uses it
 by URL: ``HttpStore("http://10.0.0.5:8765", token=...)``, or the recipe's
 ``rollout.store: http`` with ``plugins.http_store.url`` (built-in plugin
@@ -17,7 +17,7 @@ by URL: ``HttpStore("http://10.0.0.5:8765", token=...)``, or the recipe's
   failure; then a ConnectionError names the URL, the method and the last
   error. Other errors are not retried: 404 for a rollout the store does not
   hold is a KeyError (the protocol's, which the gateway relies on), 409 a
-  :class:`~agl_core.store.LeaseError` (a lease token that is not the
+  :class:`~agl_core.rollout.store.LeaseError` (a lease token that is not the
   attempt's, spans of an ended attempt, a conflicting span), 400 a
   ValueError with the service's message, 401 a PermissionError.
 - **Spans.** ``add_spans`` checks the spans (a span no store could write
@@ -73,12 +73,12 @@ import httptools
 from pydantic import BaseModel, ConfigDict
 
 from agl_core.data import Rollout, Span, Task
-from agl_core.http_rules import token_from
-from agl_core.span_batcher import SpanBatcher
-from agl_core.recordable import check_span
-from agl_core.store import FAILED, Attempt, AttemptState, LeaseError, Leases, NewRollout, lost_spans_error
+from agl_core.http.recordable import check_span
+from agl_core.http.rules import token_from
+from agl_core.rollout.span_batcher import SpanBatcher
+from agl_core.rollout.store import FAILED, Attempt, AttemptState, LeaseError, Leases, NewRollout, lost_spans_error
 
-log = logging.getLogger("agl_core.store_client")
+log = logging.getLogger("agl_core.rollout.store_client")
 
 TOKEN_ENV = "AGL_STORE_TOKEN"
 UNKNOWN_ROLLOUT = "unknown_rollout"

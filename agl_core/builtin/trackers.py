@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("agl_core.trackers")
+log = logging.getLogger("agl_core.builtin.trackers")
 
 
 def chartable(metrics: dict[str, Any]) -> dict[str, float]:
@@ -29,7 +29,7 @@ def chartable(metrics: dict[str, Any]) -> dict[str, float]:
 def curves_png(run_dir: Path, tracker: str) -> Path | None:
     """``agl plot``'s PNG of the run in ``run_dir`` (``<run_dir>/curves.png``); None, with a warning naming
     ``tracker``, when there is nothing to draw (no ``metrics.jsonl``: the jsonl logger was disabled)."""
-    from agl_core.plot import plot_run  # imports matplotlib: only at the end of a run
+    from agl_core.builtin.plot import plot_run  # imports matplotlib: only at the end of a run
 
     try:
         return plot_run(run_dir)

@@ -7,7 +7,7 @@ starts, so the runners play the next steps' games while the backend computes
 log-probs and updates; step ``t`` then waits only for its own batch. Every
 batch is queued while weights of version ``>= t - 1`` serve, so a rollout
 trained at step ``t + k`` is at most ``k`` updates stale
-(:mod:`agl_core.staleness`); the bound is still checked when a batch is taken
+(:mod:`agl_core.rollout.staleness`); the bound is still checked when a batch is taken
 (a group over it is dropped whole and counted, never trained).
 
 After the actor's update the new weights reach the policy endpoint
@@ -53,10 +53,10 @@ from agl_core.data import Rollout, Task
 from agl_core.gateway.client import set_policy
 from agl_core.gateway.weight_sync import Drained
 from agl_core.plugins import PluginError
-from agl_core.runner import enqueue_samples, rollout_metrics, wait_all
-from agl_core.staleness import within_bound
-from agl_core.store import SUCCEEDED, TERMINAL, Store
-from agl_core.tasks import TaskSampler
+from agl_core.rollout.runner import enqueue_samples, rollout_metrics, wait_all
+from agl_core.rollout.staleness import within_bound
+from agl_core.rollout.store import SUCCEEDED, TERMINAL, Store
+from agl_core.rollout.tasks import TaskSampler
 
 log = logging.getLogger("agl_core.async")
 

@@ -1,7 +1,7 @@
 """What one client may hold of a server: connections, header bytes and seconds, requests read ahead.
 
 Every HTTP server of the project is uvicorn on httptools
-(:class:`agl_core.http_server.ServerThread`). uvicorn applies back-pressure
+(:class:`agl_core.http.server.ServerThread`). uvicorn applies back-pressure
 (a pipelined request waits, with the socket no longer read, until the answer
 before it is written, and an answer waits while the client does not read
 it), but httptools has no bound on a request's header section, in bytes or
@@ -39,9 +39,9 @@ from typing import Any, ClassVar
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from agl_core.http_rules import error_body
+from agl_core.http.rules import error_body
 
-log = logging.getLogger("agl_core.http_limits")
+log = logging.getLogger("agl_core.http.limits")
 
 MAX_PIPELINED = 16
 """Requests a connection may have read and queued behind the one being answered; more: it is closed."""

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
-log = logging.getLogger("agl_core.span_batcher")
+log = logging.getLogger("agl_core.rollout.span_batcher")
 T = TypeVar("T")
 """What is queued: a span, or a span with what its write needs (the store client's lease token)."""
 R = TypeVar("R")

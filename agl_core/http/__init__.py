@@ -1,0 +1,1 @@
+"""HTTP serving in one place: the rules every server applies, and the server thread."""
