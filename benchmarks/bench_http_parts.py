@@ -1,4 +1,4 @@
-"""The HTTP parts side by side: servers for the project's services, clients for the gateway's upstream calls.
+"""The HTTP parts side by side: servers for the project's services, the gateway's upstream client, the store's.
 
 On a trivial ASGI app (a ~200-byte JSON POST answered with ~100 bytes), one
 kept-alive client posting sequentially, p50 of the round trip:
