@@ -1,4 +1,4 @@
-"""The HTTP parts side by side: servers for the project's services, clients for the gateway's upstream calls.
+"""The HTTP parts side by side: servers for the project's services, the gateway's upstream client, the store's.
 
 On a trivial ASGI app (a ~200-byte JSON POST answered with ~100 bytes), one
 kept-alive client posting sequentially, p50 of the round trip:
@@ -9,7 +9,13 @@ kept-alive client posting sequentially, p50 of the round trip:
   httptools as shipped, uvicorn on h11, and hypercorn and granian when they
   are installed (they are not dependencies: ``pip install hypercorn granian``
   to include them);
-- clients (against the reference server): aiohttp and httpx.
+- clients (against the reference server): aiohttp and httpx;
+- synchronous clients against ``agl serve store`` (its own process), each
+  posting ``attempt_state`` of a rollout the store does not hold (a ~50-byte
+  JSON POST answered with ``{"state": null}``) on one kept-alive connection:
+  :class:`~agl_core.store_client.HttpStore` as shipped (its call, JSON in and
+  out included), then the bare round trip of ``http.client`` (the
+  reference), urllib3's ``HTTPConnectionPool`` and ``httpx.Client``.
 
 Prints one JSON line: each p50 in µs and its ratio to the reference.
 
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import importlib.util
 import json
 import os
@@ -28,12 +35,16 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import aiohttp
 import httpx
+import urllib3
+
+from agl_core.store_client import HttpStore
 
 BODY = json.dumps({"model": "policy", "messages": [{"role": "user", "content": "x" * 150}]}).encode()
 ANSWER = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": "y" * 40}}]}).encode()
@@ -124,6 +135,64 @@ def p50_us(client, url: str, calls: int) -> float:
     return round(statistics.median(asyncio.run(client(url, calls))) * 1e6, 1)
 
 
+STORE_BODY = json.dumps({"rollout_id": "absent", "attempt_id": "absent"}).encode()
+STORE_PATH = "/v1/store/attempt_state"
+STORE_HEADERS = {"Content-Type": "application/json"}
+
+
+def sync_p50_us(post, calls: int) -> float:
+    """p50 of ``post()`` (one round trip; it checks its answer) over ``calls`` calls, after a tenth as warm-up."""
+    for _ in range(calls // 10):
+        post()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        post()
+        times.append(time.perf_counter() - start)
+    return round(statistics.median(times) * 1e6, 1)
+
+
+def checked(status: int, body: bytes) -> None:
+    if status != 200 or json.loads(body) != {"state": None}:
+        raise SystemExit(f"the store service answered HTTP {status}: {body[:200]!r}")
+
+
+def store_clients(url: str, calls: int) -> dict[str, float]:
+    """The synchronous clients against the store service at ``url``, p50 in µs."""
+    host, port = url.removeprefix("http://").split(":")
+    store = HttpStore(url)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    pool = urllib3.HTTPConnectionPool(host, int(port), maxsize=1, retries=False, timeout=60)
+    client = httpx.Client(base_url=url, timeout=60)
+
+    def with_http_client() -> None:
+        conn.request("POST", STORE_PATH, STORE_BODY, STORE_HEADERS)
+        response = conn.getresponse()
+        checked(response.status, response.read())
+
+    def with_urllib3() -> None:
+        response = pool.urlopen("POST", STORE_PATH, body=STORE_BODY, headers=STORE_HEADERS)
+        checked(response.status, response.data)
+
+    def with_httpx() -> None:
+        response = client.post(STORE_PATH, content=STORE_BODY, headers=STORE_HEADERS)
+        checked(response.status_code, response.content)
+
+    def with_http_store() -> None:
+        if store.attempt_state("absent", "absent") is not None:
+            raise SystemExit("the store service holds a rollout it should not")
+
+    try:
+        return {"HttpStore (agl_core)": sync_p50_us(with_http_store, calls),
+                "http.client": sync_p50_us(with_http_client, calls),
+                "urllib3": sync_p50_us(with_urllib3, calls), "httpx.Client": sync_p50_us(with_httpx, calls)}
+    finally:
+        store.close()
+        conn.close()
+        pool.close()
+        client.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=3000)
@@ -149,12 +218,23 @@ def main() -> None:
         finally:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    with tempfile.TemporaryDirectory(prefix="bench_http_parts_") as tmp:
+        proc = subprocess.Popen([sys.executable, "-m", "agl_core.cli", "serve", "store", "--db",
+                                 str(Path(tmp) / "store.sqlite"), "--port", "0"], stdout=subprocess.PIPE, text=True)
+        try:
+            sync_clients = store_clients(proc.stdout.readline().strip(), args.calls)
+        finally:
+            proc.kill()
+            proc.wait()
     reference = servers[kinds[0]]
     print(json.dumps({"bench": "http_parts", "calls": args.calls,
                       "server_p50_us": servers, "server_ratio_to_agl": {k: round(v / reference, 3)
                                                                         for k, v in servers.items()},
                       "client_p50_us": clients, "client_ratio_to_aiohttp": {k: round(v / clients["aiohttp"], 3)
-                                                                            for k, v in clients.items()}}))
+                                                                            for k, v in clients.items()},
+                      "store_client_p50_us": sync_clients,
+                      "store_client_ratio_to_http_client": {k: round(v / sync_clients["http.client"], 3)
+                                                            for k, v in sync_clients.items()}}))
 
 
 if __name__ == "__main__":

@@ -282,6 +282,67 @@ def test_a_closed_client_says_so(serve):
             call()
 
 
+def self_signed_certificate(directory):
+    """A certificate for 127.0.0.1 and its key, written as PEM files in ``directory``: (certfile, keyfile)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    certfile, keyfile = directory / "cert.pem", directory / "key.pem"
+    certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    keyfile.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    return certfile, keyfile
+
+
+def test_an_https_url_speaks_tls_and_checks_the_services_certificate(tmp_path, monkeypatch):
+    certfile, keyfile = self_signed_certificate(tmp_path)
+    backing = SqliteStore(tmp_path / "tls.sqlite")
+    service = StoreService(backing)
+    server = service.server()
+    # ServerThread serves plain HTTP; uvicorn's own TLS settings are set on its config before it starts
+    server._server.config.ssl_certfile, server._server.config.ssl_keyfile = str(certfile), str(keyfile)
+    server.start()
+    url = server.url.replace("http://", "https://")
+    clients = []
+    try:
+        clients.append(HttpStore(url, connect_timeout_s=0.5))
+        with pytest.raises(ConnectionError, match=f"the store service at {url} did not answer query.*CERTIFICATE"):
+            clients[-1].query()  # a certificate no authority it trusts signed
+        monkeypatch.setenv("SSL_CERT_FILE", str(certfile))  # OpenSSL's trusted authorities, read per TLS context
+        store = HttpStore(url, connect_timeout_s=10)
+        clients.append(store)
+        store.enqueue([new("a")])
+        attempt = store.dequeue("w", 30)
+        store.add_spans([span("a", attempt.attempt_id, 0)], leases={("a", attempt.attempt_id): attempt.lease})
+        assert store.finish("a", attempt.attempt_id, "succeeded", final_reward=1.0, lease=attempt.lease)
+        [rollout] = store.get_rollouts(["a"])
+        assert (rollout.status, len(rollout.spans)) == ("succeeded", 1)
+        clients.append(HttpStore(server.url, connect_timeout_s=0.5))
+        with pytest.raises(ConnectionError, match="did not answer query"):
+            clients[-1].query()  # plain HTTP to a TLS port
+    finally:
+        for made in clients:  # before the server stops: it waits for open connections
+            made.close()
+        server.stop()
+        service.close()
+        backing.close()
+
+
 @pytest.mark.parametrize("url", ["localhost:8765", "ftp://host:1", "http://host:1/v1", "http://:80",
                                  "http://host:99999"])
 def test_a_url_that_is_not_a_services_is_refused_naming_it(url):

@@ -6,11 +6,14 @@ by URL: ``HttpStore("http://10.0.0.5:8765", token=...)``, or the recipe's
 ``rollout.store: http`` with ``plugins.http_store.url`` (built-in plugin
 :mod:`agl_core.builtin.http_store`).
 
-- **Connections.** Each thread keeps one keep-alive connection (a thread
-  never waits for another's call). A request goes out in one write and its
-  answer is parsed by httptools (uvicorn's parser): about a third of the CPU
-  of ``http.client``, which writes headers and body apart and parses headers
-  with the email package. Every request is a small JSON POST.
+- **Connections.** Each thread keeps one keep-alive connection of the
+  standard library's ``http.client`` (a thread never waits for another's
+  call; TLS for an ``https`` URL, checked against the system's certificate
+  authorities). The connection is opened within ``connect_timeout_s`` (at
+  most 10 s a try); a request's answer is waited for up to 60 s beyond the
+  long poll it asks for. Every request is a small JSON POST. ``http.client``
+  was measured the fastest of the well-kept synchronous clients (urllib3
+  and ``httpx.Client`` cost more per call): ``benchmarks/bench_http_parts.py``.
 - **Retries.** A connection error, a timeout or a 502/503/504 is retried, at
   once the first time (a keep-alive connection the service closed), then with
   exponential backoff, for up to ``connect_timeout_s`` after the first
@@ -57,11 +60,10 @@ by URL: ``HttpStore("http://10.0.0.5:8765", token=...)``, or the recipe's
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
-import socket
 import ssl
-import struct
 import threading
 import time
 import urllib.parse
@@ -69,7 +71,6 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import httptools
 from pydantic import BaseModel, ConfigDict
 
 from agl_core.data import Rollout, Span, Task
@@ -125,12 +126,11 @@ class HttpStore:
         self.url = url.rstrip("/")
         self.connect_timeout_s = connect_timeout_s
         token = token_from(token, TOKEN_ENV)
-        self._address = (parts.hostname, port or (443 if parts.scheme == "https" else 80))
+        self._address = (parts.hostname, port)
         self._tls = ssl.create_default_context() if parts.scheme == "https" else None
-        self._headers = (f"Host: {parts.netloc}\r\nContent-Type: application/json\r\n"
-                         + (f"Authorization: Bearer {token}\r\n" if token else ""))
+        self._headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
         self._local = threading.local()
-        self._connections: weakref.WeakSet[_Connection] = weakref.WeakSet()
+        self._connections: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()
         self._connections_lock = threading.Lock()
         self._closed = False
         self._batch_bytes = batch_bytes
@@ -155,7 +155,7 @@ class HttpStore:
                 if status not in RETRIED_STATUSES:
                     return status, raw, tries > 1
                 last = f"HTTP {status}: {_message(raw)}"
-            except (OSError, httptools.HttpParserError) as exc:  # refused, reset, timed out, cut or garbled
+            except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out, cut or garbled
                 self._drop_connection()
                 last = f"{type(exc).__name__}: {exc}"
             now = time.monotonic()
@@ -169,14 +169,23 @@ class HttpStore:
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
 
     def _send(self, path: str, data: bytes, timeout_s: float) -> tuple[int, bytes]:
+        """POST ``data`` to ``path`` on this thread's connection (opened first if it is not): (status, body)."""
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = self._local.conn = _Connection(self._address, self._tls,
-                                                  min(CONNECT_TIMEOUT_S, self.connect_timeout_s))
+            host, port = self._address
+            connect_timeout_s = min(CONNECT_TIMEOUT_S, self.connect_timeout_s)
+            conn = self._local.conn = (
+                http.client.HTTPConnection(host, port, timeout=connect_timeout_s) if self._tls is None
+                else http.client.HTTPSConnection(host, port, timeout=connect_timeout_s, context=self._tls))
             with self._connections_lock:
                 self._connections.add(conn)
-        request = f"POST {path} HTTP/1.1\r\n{self._headers}Content-Length: {len(data)}\r\n\r\n".encode() + data
-        return conn.exchange(request, timeout_s)
+        if conn.sock is None:  # new, or closed by a failure or by the service: connected within the connect timeout
+            conn.connect()
+        if conn.sock.gettimeout() != timeout_s:  # setting a timeout costs system calls; most requests ask the same
+            conn.sock.settimeout(timeout_s)
+        conn.request("POST", path, data, self._headers)
+        response = conn.getresponse()  # an answer that ends the connection closes it: the next request reconnects
+        return response.status, response.read()
 
     def _drop_connection(self) -> None:
         conn = getattr(self._local, "conn", None)
@@ -369,73 +378,6 @@ class HttpStore:
                 for conn in list(self._connections):
                     conn.close()
                 self._connections.clear()
-
-
-class _Connection:
-    """One keep-alive HTTP/1.1 connection to ``address``, opened on first use and after :meth:`close`."""
-
-    def __init__(self, address: tuple[str, int], tls: ssl.SSLContext | None, connect_timeout_s: float):
-        self.address, self.tls, self.connect_timeout_s = address, tls, connect_timeout_s
-        self.sock: socket.socket | None = None
-        self.timeout_s: float | None = None
-        self.answer = _Answer()
-
-    def exchange(self, request: bytes, timeout_s: float) -> tuple[int, bytes]:
-        """Send ``request`` and read its answer within ``timeout_s``: (status, body)."""
-        if self.sock is None:
-            sock = socket.create_connection(self.address, timeout=self.connect_timeout_s)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.tls is None:  # blocking, the timeout in the kernel: one system call per send or receive
-                sock.settimeout(None)
-            self.sock = sock if self.tls is None else self.tls.wrap_socket(sock, server_hostname=self.address[0])
-            self.timeout_s = None
-        if timeout_s != self.timeout_s:  # setting a timeout costs system calls; most requests ask the same
-            if self.tls is None:
-                timeval = struct.pack("ll", int(timeout_s), int(timeout_s % 1 * 1e6))
-                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-            else:  # Python's timeout (a poll before each call): TLS reads and writes are not one system call each
-                self.sock.settimeout(timeout_s)
-            self.timeout_s = timeout_s
-        answer = self.answer
-        answer.body, answer.complete = [], False
-        try:
-            self.sock.sendall(request)
-            while not answer.complete:
-                data = self.sock.recv(1 << 16)
-                if not data:
-                    raise ConnectionResetError("the service closed the connection before it answered")
-                answer.parser.feed_data(data)
-        except BlockingIOError:  # the kernel's timeout
-            raise TimeoutError(f"no answer within {timeout_s:g} s") from None
-        if not answer.keep_alive:
-            self.close()
-        return answer.parser.get_status_code(), b"".join(answer.body)
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-            self.answer = _Answer()  # a new connection, a new parser: what was half read is forgotten
-
-
-class _Answer:
-    """httptools' callbacks for the answers of one connection, one at a time: the body of the answer being read,
-    whether it is all there, whether the connection stays open."""
-
-    def __init__(self) -> None:
-        self.parser = httptools.HttpResponseParser(self)
-        self.body: list[bytes] = []
-        self.complete = self.keep_alive = False
-
-    def on_headers_complete(self) -> None:
-        self.keep_alive = self.parser.should_keep_alive()  # known from the headers; reset once the answer ends
-
-    def on_body(self, body: bytes) -> None:
-        self.body.append(body)
-
-    def on_message_complete(self) -> None:
-        self.complete = True
 
 
 class _NotCarried(Exception):
