@@ -13,7 +13,7 @@ kept-alive client posting sequentially, p50 of the round trip:
 - synchronous clients against ``agl serve store`` (its own process), each
   posting ``attempt_state`` of a rollout the store does not hold (a ~50-byte
   JSON POST answered with ``{"state": null}``) on one kept-alive connection:
-  :class:`~agl_core.store_client.HttpStore` as shipped (its call, JSON in and
+  :class:`~agl_core.rollout.store_client.HttpStore` as shipped (its call, JSON in and
   out included), then the bare round trip of ``http.client`` (the
   reference), urllib3's ``HTTPConnectionPool`` and ``httpx.Client``.
 
@@ -44,7 +44,7 @@ import aiohttp
 import httpx
 import urllib3
 
-from agl_core.store_client import HttpStore
+from agl_core.rollout.store_client import HttpStore
 
 BODY = json.dumps({"model": "policy", "messages": [{"role": "user", "content": "x" * 150}]}).encode()
 ANSWER = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": "y" * 40}}]}).encode()
