@@ -126,7 +126,7 @@ def test_emit_records_spans_in_order_with_the_agent_name():
     store = MemoryStore()
     store.enqueue([NewRollout("r", Task(id="t", input={}))])
     attempt = store.dequeue("w", 30)
-    with rollout_scope(RolloutScope("r", attempt.attempt_id, store, "guesser")) as scope:
+    with rollout_scope(RolloutScope("r", attempt.attempt_id, store, "guesser", lease=attempt.lease)) as scope:
         emit_annotation(tool="search", hits=3)
         emit_reward(0.25, stage="first")
         emit_reward(1)
@@ -148,7 +148,7 @@ def test_a_state_key_is_an_annotation_that_the_aggregators_attach_to_the_next_ca
     store = MemoryStore()
     store.enqueue([NewRollout("r", Task(id="t", input={}))])
     attempt = store.dequeue("w", 30)
-    with rollout_scope(RolloutScope("r", attempt.attempt_id, store, "guesser")):
+    with rollout_scope(RolloutScope("r", attempt.attempt_id, store, "guesser", lease=attempt.lease)):
         emit_state_key("1-7")
         with pytest.raises(TypeError, match="takes a str.*json.dumps"):
             emit_state_key(("1", "7"))

@@ -95,11 +95,13 @@ def store(tmp_path):
 ids = itertools.count()
 
 
-def running(store) -> str:
+def running(store) -> tuple[str, str]:
+    """A running attempt's rollout id and lease token."""
     rid = f"r{next(ids)}"
     store.enqueue([NewRollout(rid, Task(id=rid, input={}))])
-    assert store.dequeue("worker", lease_s=300) is not None
-    return rid
+    attempt = store.dequeue("worker", lease_s=300)
+    assert attempt is not None
+    return rid, attempt.lease
 
 
 @pytest.mark.parametrize("limit", [4096, 3 * 2**20])
@@ -110,8 +112,8 @@ def test_an_endless_upstream_answer_is_cut_at_max_upstream_bytes(store, shape, l
     config = GatewayConfig(max_upstream_bytes=limit, upstream_timeout_s=600, max_retries=0)
     server = Gateway(store, config, upstreams=[upstream.url]).serve()
     try:
-        rid = running(store)
-        url = Gateway.base_url(server.url, rid, "1") + "/chat/completions"
+        rid, lease = running(store)
+        url = Gateway.base_url(server.url, rid, "1", lease) + "/chat/completions"
         body = {"model": "p", "messages": MESSAGE, "stream": stream}
         with httpx.stream("POST", url, json=body, timeout=120) as answer:
             raw = answer.read()
