@@ -54,11 +54,17 @@ class ChatTemplate:
         """The tokenizer saved in the local directory ``path`` (nothing is downloaded)."""
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except (ValueError, KeyError, OSError):
-            # A tokenizer that AutoTokenizer does not map (a made word tokenizer): the generic fast one.
+        if _saved_class(path) in GENERIC_FAST:
+            # Saved as the generic fast tokenizer (the embedded backend's made word tokenizer): load it as that.
+            # AutoTokenizer would go by the model's type and, for a qwen2 model, swap in Qwen2's own tokenizer,
+            # whose ids are not the policy server's.
             tokenizer = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+        else:
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            except (ValueError, KeyError, OSError):
+                # A tokenizer that AutoTokenizer does not map: the generic fast one.
+                tokenizer = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"the tokenizer in {path} has no chat template")
         return cls(tokenizer, path)
@@ -144,3 +150,16 @@ def _find_template(setting: str | None, base_url: str, headers: dict[str, str] |
         return ChatTemplate.load(path), f"tokenizer {path}"
     except Exception as exc:  # noqa: BLE001 - as above
         return None, f"cannot load a tokenizer with a chat template from {path}: {exc}"
+
+
+GENERIC_FAST = ("TokenizersBackend", "PreTrainedTokenizerFast")
+"""The ``tokenizer_class`` names (transformers 5's and 4's) of the generic fast tokenizer."""
+
+
+def _saved_class(path: str) -> str | None:
+    """The ``tokenizer_class`` the tokenizer in ``path`` was saved as (its ``tokenizer_config.json``), if any."""
+    config = Path(path) / "tokenizer_config.json"
+    try:
+        return json.loads(config.read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None

@@ -286,8 +286,11 @@ class PolicyServer:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if max(prompt) >= len(self.tokenizer) or min(prompt) < 0:
-                raise RequestError(400, f"'prompt' token ids must be in [0, {len(self.tokenizer)})")
+            # The model's vocabulary, not the tokenizer's: a padded embedding (vocab_size above the tokenizer's
+            # length) can sample ids no token spells, and an exact context sends them back as they were sampled.
+            vocab = self.engine.model.get_input_embeddings().num_embeddings
+            if max(prompt) >= vocab or min(prompt) < 0:
+                raise RequestError(400, f"'prompt' token ids must be in [0, {vocab})")
             return prompt
         raise RequestError(400, "'prompt' must be a string or a non-empty list of token ids")
 

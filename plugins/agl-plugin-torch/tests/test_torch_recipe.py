@@ -58,12 +58,13 @@ def test_k0_reproduces_the_synchronous_default_recipe_bit_for_bit(tmp_path, monk
     :mod:`agl_core.testing.golden`): every model call is seeded by its place in the run, so the run is deterministic
     on one kind of CPU. Record another kind's file with that code and the command below, then ``record_golden``.
     Metrics added since are not in the golden files and not compared. The recipe then used GRPO, which the run
-    therefore sets (its estimator is REINFORCE++ since: examples/guess_number/README.md).
+    therefore sets (its estimator is REINFORCE++ since: examples/guess_number/README.md), and its gateway sent
+    every call as text (exact contexts, the default since, change the prompts the model sees: docs/rollout.md).
     """
     monkeypatch.chdir(REPO)
     run_dir = tmp_path / "run"
     assert main(["train", str(RECIPE), *REDUCED, f"trainer.run_dir={run_dir}", "trainer.async.max_staleness=0",
-                 "algorithm.estimator=grpo"]) == 0
+                 "algorithm.estimator=grpo", "rollout.gateway.exact_contexts=false"]) == 0
     check_golden(run_dir / "metrics.jsonl", GOLDEN, UNREPEATABLE)
 
 

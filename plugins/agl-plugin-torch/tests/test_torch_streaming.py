@@ -116,14 +116,14 @@ def test_streamed_text_never_runs_past_where_a_stop_string_cuts_it(stop, final):
 
 
 def test_an_agent_that_leaves_mid_stream_through_the_gateway_leaves_an_incomplete_span(served, monkeypatch):
-    """The tiny model made slow (20 ms a forward pass, as a real model on a CPU would be) so that the agent leaves
-    while tokens are still being generated."""
+    """The tiny model made slow (50 ms a forward pass, as a real model on a CPU would be) so that the agent leaves
+    while tokens are still being generated, even on a loaded machine (the 40 tokens take 2 s)."""
     import time
 
     forward = served.actor.forward
 
     def slow(*args, **kwargs):
-        time.sleep(0.02)
+        time.sleep(0.05)
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(served.actor, "forward", slow)
