@@ -180,7 +180,7 @@ class GatewayConfig(Section):
     exact_contexts: bool = Field(True, description="send a chat call that continues an earlier call of the attempt "
                                                    "(its messages, its reply unchanged, new messages) upstream as "
                                                    "that call's exact token ids plus the new messages' ids, so the "
-                                                   "tokens trained are the tokens sampled (docs/rollout.md)")
+                                                   "tokens trained are the tokens sampled (docs/gateway.md)")
     tokenizer: str | None = Field(None, description="local directory of the policy's tokenizer, whose chat template "
                                                     "renders the new messages of exact contexts (default: the "
                                                     "directory the policy server lists as its model's root)")
