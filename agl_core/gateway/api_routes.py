@@ -60,9 +60,10 @@ class TranslatedApis:
             stream = anthropic.wants_stream(body)
             chat = anthropic.chat_request(body)
             if stream:
-                opened = await self.gateway.open_stream(rollout_id, attempt_id, CHAT, streamed(chat))
+                opened = await self.gateway.open_stream(rollout_id, attempt_id, CHAT, streamed(chat),
+                                                        request.path_params.get("role"))
                 return TranslatedEventStream(opened, anthropic.MessageEvents(body["model"]))
-            answer = await self.gateway.call(rollout_id, attempt_id, CHAT, chat)
+            answer = await self.gateway.call(rollout_id, attempt_id, CHAT, chat, request.path_params.get("role"))
         except RequestError as exc:
             raw = getattr(exc, "raw", None)  # a CallFailed: the policy server's own error answer, if it gave one
             message = upstream_error_message(raw, exc.status) if raw is not None else str(exc)
@@ -87,10 +88,11 @@ class TranslatedApis:
                                                                                   responses.answer_message(answer))))
 
             if stream:
-                opened = await self.gateway.open_stream(rollout_id, attempt_id, CHAT, streamed(chat))
+                opened = await self.gateway.open_stream(rollout_id, attempt_id, CHAT, streamed(chat),
+                                                        request.path_params.get("role"))
                 events = responses.ResponseEvents(body)
                 return TranslatedEventStream(opened, events, lambda answer: keep(events.id, answer))
-            answer = await self.gateway.call(rollout_id, attempt_id, CHAT, chat)
+            answer = await self.gateway.call(rollout_id, attempt_id, CHAT, chat, request.path_params.get("role"))
         except RequestError as exc:
             raw = getattr(exc, "raw", None)  # a CallFailed: the policy server's own error answer, if it gave one
             if raw is not None:  # already in OpenAI's shape

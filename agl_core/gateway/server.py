@@ -51,10 +51,13 @@ from agl_core.http_rules import (INT64_MAX, RequestError, check_bearer, check_sa
                                  health_response, integer, parse_json_object, policy_token, read_body,
                                  require_token_off_loopback, token_from)
 from agl_core.http_server import ServerThread
+from agl_core.policies import route
 from agl_core.store import AttemptState, Store
 
 log = logging.getLogger("agl_core.gateway")
 PREFIX = "/rollout/{rollout_id}/attempt/{attempt_id}/v1"
+ROLE_PREFIX = "/rollout/{rollout_id}/attempt/{attempt_id}/role/{role}/v1"
+"""The routes of a client made for one role (``llm.for_role``): each call is that role's policy's (agl_core.policies)."""
 
 
 @dataclass(frozen=True)
@@ -96,8 +99,10 @@ class Gateway:
     """
 
     def __init__(self, store: Store, config: GatewayConfig | None = None,
-                 sampling: dict[str, Any] | None = None, upstreams: list[str] = (), seed: int | None = None):
+                 sampling: dict[str, Any] | None = None, upstreams: list[str] = (), seed: int | None = None,
+                 policies: list[str] = ()):
         self.store = store
+        self.policies = list(policies)  # the run's policy names (agl_core.policies.route); empty: one policy
         self._admit_on_loop = getattr(store, "admits_at_once", False)  # see _admitted
         self.config = config or GatewayConfig()
         self.token = token_from(self.config.token, TOKEN_ENV)
@@ -113,10 +118,12 @@ class Gateway:
         self._upstream_client: HttpClient | None = None
         self.translated = TranslatedApis(self)  # /v1/messages and /v1/responses, over self.call
         self.app = Starlette(
-            routes=[Route(f"{PREFIX}/chat/completions", self._chat, methods=["POST"]),
-                    Route(f"{PREFIX}/completions", self._completions, methods=["POST"]),
-                    Route(f"{PREFIX}/messages", self.translated.messages, methods=["POST"]),
-                    Route(f"{PREFIX}/responses", self.translated.responses, methods=["POST"]),
+            routes=[api_route
+                    for prefix in (PREFIX, ROLE_PREFIX)
+                    for api_route in (Route(f"{prefix}/chat/completions", self._chat, methods=["POST"]),
+                                  Route(f"{prefix}/completions", self._completions, methods=["POST"]),
+                                  Route(f"{prefix}/messages", self.translated.messages, methods=["POST"]),
+                                  Route(f"{prefix}/responses", self.translated.responses, methods=["POST"]))] + [
                     Route(ADMIN_POLICY, self._set_policy, methods=["PUT"]),
                     Route("/healthz", self._health, methods=["GET"])],
             lifespan=self._lifespan)
@@ -127,9 +134,11 @@ class Gateway:
                             setting="rollout.gateway.port").start()
 
     @staticmethod
-    def base_url(server_url: str, rollout_id: str, attempt_id: str) -> str:
-        """The OpenAI base URL an agent uses for one attempt of one rollout."""
-        return f"{server_url}/rollout/{rollout_id}/attempt/{attempt_id}/v1"
+    def base_url(server_url: str, rollout_id: str, attempt_id: str, role: str | None = None) -> str:
+        """The OpenAI base URL an agent uses for one attempt of one rollout (for one ``role``'s calls, when given)."""
+        if role is None:
+            return f"{server_url}/rollout/{rollout_id}/attempt/{attempt_id}/v1"
+        return f"{server_url}/rollout/{rollout_id}/attempt/{attempt_id}/role/{role}/v1"
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette):
@@ -179,9 +188,10 @@ class Gateway:
             body = parse_json_object(await read_body(request, self.config.max_body_bytes,
                                                      "rollout.gateway.max_body_bytes",
                                                      self.config.body_timeout_s))
+            role = request.path_params.get("role")
             if body.get("stream"):
-                return EventStreamResponse(await self.open_stream(rollout_id, attempt_id, endpoint, body))
-            answer = await self.call(rollout_id, attempt_id, endpoint, body)
+                return EventStreamResponse(await self.open_stream(rollout_id, attempt_id, endpoint, body, role))
+            answer = await self.call(rollout_id, attempt_id, endpoint, body, role)
         except CallFailed as exc:
             if exc.raw is not None:  # the policy server's own error answer, passed on as it came
                 return Response(exc.raw, exc.status, media_type="application/json")
@@ -192,7 +202,8 @@ class Gateway:
 
     # ------------------------------------------------------------ the call
 
-    async def call(self, rollout_id: str, attempt_id: str, endpoint: str, body: dict[str, Any]) -> Answer:
+    async def call(self, rollout_id: str, attempt_id: str, endpoint: str, body: dict[str, Any],
+                   role: str | None = None) -> Answer:
         """Perform one model call of a running attempt and record its span(s): the entry point of every API.
 
         ``endpoint`` is :data:`CHAT` or :data:`COMPLETIONS`; ``body`` the
@@ -212,7 +223,13 @@ class Gateway:
         Translations of other APIs (Anthropic Messages, OpenAI Responses) call
         this with the chat request they translate to and turn the answer or
         the error into their own shapes.
+
+        In a run of several policies the call goes to the policy its client's
+        ``role`` names, else the one its ``model`` names (sent upstream as the
+        ``model``), and every span records it as ``policy``; a call naming none
+        is refused with 404 naming the policies (:func:`agl_core.policies.route`).
         """
+        body, policy = self._routed(body, role)
         self.check_request(endpoint, body)
         state, sequence_ids = await self._admitted(rollout_id, attempt_id, body.get("n") or 1)
         # A weight sync holds new calls here and lets those in flight finish first (weight_sync.CallGate), so
@@ -228,7 +245,8 @@ class Gateway:
                                                          sequence_ids[0])).encode()
                 forwarded = await post_with_retries(self._upstream_client, url, payload,
                                                     self.config.max_retries, self.config.retry_backoff_s)
-        common = self._span_attributes(endpoint, upstream, forwarded.status, forwarded.tries, state, weight_version)
+        common = self._span_attributes(endpoint, upstream, forwarded.status, forwarded.tries, state, weight_version,
+                                       policy)
         spans, response = _spans(rollout_id, attempt_id, sequence_ids, endpoint, body, forwarded, common,
                                  start, time.time())
         self._record(rollout_id, spans)
@@ -241,7 +259,7 @@ class Gateway:
         return Answer(forwarded.status, response, forwarded.body)
 
     async def open_stream(self, rollout_id: str, attempt_id: str, endpoint: str,
-                          body: dict[str, Any]) -> CallStream:
+                          body: dict[str, Any], role: str | None = None) -> CallStream:
         """Start one streamed model call of a running attempt: :meth:`call`'s streamed twin.
 
         Checked, admitted and forwarded as :meth:`call` does (with
@@ -261,8 +279,9 @@ class Gateway:
         then. A stream closed before its end (the agent went away) is
         recorded with ``attributes["incomplete"] = True``: counted, never
         trained on. ``stream.record_error`` says when the store could not
-        record it.
+        record it. The call is routed to its policy as :meth:`call` routes it.
         """
+        body, policy = self._routed(body, role)
         self.check_request(endpoint, body)
         state, sequence_ids = await self._admitted(rollout_id, attempt_id, body.get("n") or 1)
         held = contextlib.AsyncExitStack()
@@ -290,7 +309,7 @@ class Gateway:
             status, tries = opened.status, opened.tries
             response, error = _parsed(opened)
             if error is not None:
-                common = self._span_attributes(endpoint, upstream, status, tries, state, weight_version)
+                common = self._span_attributes(endpoint, upstream, status, tries, state, weight_version, policy)
                 spans = _answer_spans(rollout_id, attempt_id, sequence_ids, endpoint, body, response, error, common,
                                       start, time.time())
                 self._record(rollout_id, spans)
@@ -300,7 +319,7 @@ class Gateway:
         else:
             status, tries = opened.response.status, opened.tries
             batches, release = sse_batches(opened.response), opened.response.release
-        common = self._span_attributes(endpoint, upstream, status, tries, state, weight_version)
+        common = self._span_attributes(endpoint, upstream, status, tries, state, weight_version, policy)
 
         async def on_close(stream: CallStream) -> None:
             await held.aclose()
@@ -319,9 +338,16 @@ class Gateway:
         return CallStream(endpoint, batches, on_close, release)
 
     def _span_attributes(self, endpoint: str, upstream: str | None, status: int, tries: int,
-                         state: AttemptState, weight_version: int | None) -> dict[str, Any]:
+                         state: AttemptState, weight_version: int | None, policy: str | None) -> dict[str, Any]:
         return {"endpoint": endpoint, "upstream": upstream, "status_code": status, "upstream_tries": tries,
-                "weight_version": weight_version, "agent_name": state.metadata.get("agent_name")}
+                "weight_version": weight_version, "agent_name": state.metadata.get("agent_name"), "policy": policy}
+
+    def _routed(self, body: dict[str, Any], role: str | None) -> tuple[dict[str, Any], str | None]:
+        """``body`` naming its policy as ``model``, and the policy (None in a run of one policy); 404 for none."""
+        policy = route(self.policies, body.get("model"), role)
+        if policy is None or body.get("model") == policy:
+            return body, policy
+        return {**body, "model": policy}, policy
 
     # ------------------------------------------------------------ checks
 
