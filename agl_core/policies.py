@@ -38,6 +38,16 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 METRIC_PREFIX = "policy"
 """Per-policy metrics are ``policy/<name>/<metric>``."""
 
+POLICY_ADAPTERS = "agl_policy_adapters"
+"""The contract between an adapter plugin and a backend: the actor's attribute ``{policy: adapter name}``.
+
+An actor transform that puts a named adapter per policy on the actor sets it;
+:data:`BASE_ADAPTER` names a policy that is the base model itself.
+"""
+
+BASE_ADAPTER = "__base__"
+"""peft's name for 'no adapter' in a mixed-adapter batch: the base model."""
+
 
 class PolicyConfig(BaseModel):
     """One entry of the recipe's ``policies`` section."""

@@ -60,6 +60,7 @@ from agl_core.http_rules import (POLICY_TOKEN_ENV, RequestError, check_bearer, c
 from agl_core.http_server import ServerThread
 
 from agl_plugin_torch.engine import Engine, Generated
+from agl_plugin_torch.policies import adapter_of, policy_adapters
 from agl_plugin_torch.sampling import SamplingParams
 from agl_plugin_torch.settings import ServingConfig
 from agl_plugin_torch.streaming import TokenStream, logprob_entry
@@ -139,8 +140,9 @@ class PolicyServer:
             check_bearer(request, self.token)
         except RequestError as exc:
             return error_response(exc.status, str(exc))
-        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                                         "owned_by": "agl-plugin-torch"}]})
+        names = list(policy_adapters(self.engine.model) or [self.model_name])  # several policies: each is a model
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "agl-plugin-torch"}
+                                                        for name in names]})
 
     async def _health(self, request: Request) -> Response:
         return health_response(request, self.token, {"weight_version": self.engine.weight_version()})
@@ -151,7 +153,7 @@ class PolicyServer:
             check_bearer(request, self.token)
             body = parse_json_object(await read_body(request, config.max_body_bytes,
                                                      "plugins.torch.serving.max_body_bytes", config.body_timeout_s))
-            self._check_model(body.get("model"))
+            adapter = self._check_model(body.get("model"))
             tools, opening = None, ""
             if chat:
                 prompt_ids, tools, opening = self._chat_prompt(body)
@@ -170,25 +172,33 @@ class PolicyServer:
             stream = TokenStream(body, chat, prompt_ids, len(params), params[0].stop, self.engine.decode,
                                  self._token_text, stream_text=not tools, model=body.get("model") or self.model_name)
             try:
-                future = self.engine.submit([prompt_ids] * len(params), params, on_token=stream.on_token)
+                future = self.engine.submit([prompt_ids] * len(params), params, on_token=stream.on_token,
+                                            adapter=adapter)
             except RuntimeError as exc:
                 return error_response(503, str(exc))
             future.add_done_callback(stream.on_done)
             return StreamingResponse(stream.events(future, finish), media_type=EVENT_STREAM)
         try:
-            generated: Generated = await asyncio.wrap_future(self.engine.submit([prompt_ids] * len(params), params))
+            generated: Generated = await asyncio.wrap_future(self.engine.submit([prompt_ids] * len(params), params,
+                                                                                adapter=adapter))
         except Exception as exc:  # noqa: BLE001 - reported to the client, logged by the engine
             return error_response(500, f"generation failed: {exc!r}")
         return JSONResponse(finish(generated))
 
     # ------------------------------------------------------------ requests
 
-    def _check_model(self, name: Any) -> None:
-        """Accept any model name (see the module's docstring); log each name but the served one, once."""
-        if name is None:
-            return
-        if not isinstance(name, str):
+    def _check_model(self, name: Any) -> str | None:
+        """The adapter of the policy ``name`` names when the model serves several (404 naming them for none);
+        else accept any model name (see the module's docstring), logging each name but the served one, once."""
+        if name is not None and not isinstance(name, str):
             raise RequestError(400, f"'model' must be a string, got {type(name).__name__}")
+        if policy_adapters(self.engine.model) is not None:
+            try:
+                return adapter_of(self.engine.model, name if name is not None else "")
+            except KeyError as exc:
+                raise RequestError(404, exc.args[0]) from None
+        if name is None:
+            return None
         if name != self.model_name and name not in self._reported_names and \
                 len(self._reported_names) < MAX_REPORTED_NAMES:
             self._reported_names.add(name)

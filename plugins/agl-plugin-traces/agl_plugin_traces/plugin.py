@@ -114,7 +114,13 @@ def post_process_batch(ctx, batch):
     cfg = settings_of(ctx)
     if "rollouts" in batch.meta and "input_ids" not in batch:
         aggregate = ctx.components.get("aggregator", cfg.aggregator).obj
-        batch = aggregate(ctx, batch.meta["rollouts"])
+        if ctx.config.policies:  # several policies: rows per policy, grouped by (policy, task) (agl_core.policy_rows)
+            from agl_core.policy_rows import aggregate_by_policy
+
+            batch = aggregate_by_policy(lambda rollouts: aggregate(ctx, rollouts), batch.meta["rollouts"],
+                                        ctx.config.trainer.agent_match)
+        else:
+            batch = aggregate(ctx, batch.meta["rollouts"])
     if cfg.drop_zero_variance_groups and len(batch):
         batch, metrics = drop_zero_variance_groups(batch)
         ctx.step_metrics.update(metrics)
