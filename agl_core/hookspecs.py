@@ -382,7 +382,7 @@ def log_metrics(ctx: TrainContext, metrics: dict[str, Any], step: int) -> None:
 
 
 @broadcast
-def export_model(ctx: TrainContext, path: str, out: str, merged: bool) -> str | None:
+def export_model(ctx: TrainContext, path: str, out: str, merged: bool, policy: str | None) -> str | None:
     """Write the policy of the checkpoint directory ``path`` as a model others can load; return where.
 
     Kind: broadcast, called by ``agl export RUN_DIR`` (never during training)
