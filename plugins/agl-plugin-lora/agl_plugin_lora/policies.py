@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 from pydantic import ValidationError
 from transformers import PreTrainedModel
 
@@ -63,8 +64,24 @@ def add_policy_adapters(model: PreTrainedModel, settings: dict[str, LoraSettings
                           "or train; drop the lora plugin or give a policy an adapter")
     for name, lora in settings.items():
         model.add_adapter(lora_config(lora), adapter_name=name)
+    check_mixable(model)
     set_trainable(model, trainable)
     setattr(model, POLICY_ADAPTERS, {name: name if name in settings else BASE for name in policies})
+
+
+MIXABLE = (torch.nn.Linear, torch.nn.Embedding)
+"""Modules whose trained copies (modules_to_save) peft computes per row in a mixed-adapter batch."""
+
+
+def check_mixable(model: PreTrainedModel) -> None:
+    """PluginError naming a ``modules_to_save`` entry whose copies a mixed-adapter batch cannot use (e.g. a norm)."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    for name, module in model.named_modules():
+        if isinstance(module, ModulesToSaveWrapper) and not isinstance(module.original_module, MIXABLE):
+            raise PluginError(f"modules_to_save {name.rsplit('.', 1)[-1]!r} ({type(module.original_module).__name__} "
+                              f"at {name}): with several policies each row of a batch runs its own adapter, and "
+                              f"peft does that only for linear and embedding modules; drop it from modules_to_save")
 
 
 def adapter_name_of(param_name: str) -> str | None:

@@ -1,0 +1,54 @@
+"""Two roles of one game that must cooperate: a hinter that sees the secret, a guesser that reads only the clue.
+
+The hinter is asked for a clue to a secret number ("hint for 3") and writes
+one word. The guesser sees only that word ("clue red") and answers a number.
+Both win (reward 1.0) when the guess is the secret: the pair must agree on a
+code, which neither can learn alone. Each role is its own policy of the run
+(its own LoRA adapter on the one base model): the agent makes a client per
+role with ``llm.for_role(name)``, and the gateway routes each call to that
+role's adapter and records the role on the call's span.
+
+Validation games are played greedily (temperature 0); training games use the
+recipe's sampling (``llm.sampling``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from openai import DefaultHttpxClient, OpenAI
+
+from agl_core import agent, per_thread
+from agl_core.data import Task
+
+NUMBER = re.compile(r"-?\d+")
+HINTER, GUESSER = "hinter", "guesser"
+
+HTTP = per_thread(DefaultHttpxClient)
+"""An HTTP client per worker thread, reused by its games (see examples/guess_number/agent.py)."""
+for _name in ("httpx", "httpx2"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
+
+
+def first_number(text: str) -> int | None:
+    found = NUMBER.search(text)
+    return int(found.group()) if found else None
+
+
+def ask(llm, prompt: str, temperature: float) -> str:
+    """One call of one role: ``llm`` is that role's handle (``llm.for_role``), so its calls reach its policy."""
+    client = OpenAI(base_url=llm.base_url, api_key=llm.api_key, http_client=HTTP(), max_retries=0)
+    reply = client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": prompt}],
+                                           temperature=temperature, max_tokens=1)
+    return (reply.choices[0].message.content or "").strip()
+
+
+@agent("two_roles")
+def two_roles(task: Task, llm) -> float:
+    """Play one round: the hinter's clue, the guesser's number; 1.0 when it is the secret."""
+    secret = task.input["secret"]
+    temperature = 0.0 if task.split == "val" else llm.sampling.get("temperature", 1.0)
+    clue = ask(llm.for_role(HINTER), f"hint for {secret}", temperature)
+    guess = first_number(ask(llm.for_role(GUESSER), f"clue {clue}".strip(), temperature))
+    return 1.0 if guess == secret else 0.0
