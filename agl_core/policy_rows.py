@@ -12,19 +12,19 @@ and the rows get
   (advantage estimators, the zero-variance filter, balancing) groups them by
   (policy, task), so a hinter's rows are never baselined against a guesser's.
 
-Policies that ``trainer.agent_match`` does not select make no rows: their calls
+Only the policies that train make rows (:func:`agl_core.policies.training_policies`):
+those ``trainer.agent_match`` does not select, frozen ones and the base model
 were served and recorded, never trained. A run without a ``policies`` section
 is aggregated as before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 
 from agl_core.data import Batch, Rollout
-from agl_core.policies import selected
 
 LLM_CALL = "llm_call"
 
@@ -52,11 +52,11 @@ def policies_called(rollouts: Sequence[Rollout]) -> list[str]:
 
 
 def aggregate_by_policy(aggregate: Callable[[list[Rollout]], Batch], rollouts: Sequence[Rollout],
-                        agent_match: str | list[str] | None) -> Batch:
-    """Rows of each selected policy's calls (``aggregate`` over its views), with ``policy`` and grouped ``uid``."""
+                        trained: Collection[str]) -> Batch:
+    """Rows of each ``trained`` policy's calls (``aggregate`` over its views), with ``policy`` and grouped ``uid``."""
     parts = []
     for policy in policies_called(rollouts):
-        if not selected(policy, agent_match):
+        if policy not in trained:
             continue
         views = [view for rollout in rollouts if (view := policy_view(rollout, policy)) is not None]
         batch = aggregate(views)

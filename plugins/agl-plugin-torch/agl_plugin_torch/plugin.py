@@ -126,6 +126,8 @@ class TorchBackend:
         log_probs, entropy = backend.run("old_logprobs", columns(backend, batch, FORWARD_INPUTS),
                                          row_adapters(backend, batch))
         batch["old_log_probs"], batch["entropys"] = log_probs, entropy
+        if "policy" in batch:  # the loop reports the batch's entropy and drops the column before the update
+            ctx.step_metrics.update(policy_rows.policy_entropy(batch))
         if backend.endpoint is not None:
             # The model's own share of the rollouts (timing_s/gen also holds agents, HTTP, gateway, store).
             ctx.step_metrics["perf/gen_engine_cpu_s"] = backend.generated_cpu_s() - backend.busy_at_step_start

@@ -126,7 +126,7 @@ def rows_of(policies: np.ndarray, policy: str) -> np.ndarray:
 
 
 def policy_data_metrics(batch: Batch, policy: str) -> dict[str, float]:
-    """``policy/<name>/…`` of one policy's rows: rows, tokens, reward, advantages, entropy and KL when present."""
+    """``policy/<name>/…`` of one policy's rows: rows, tokens, reward, advantages, and KL to the reference when known."""
     mask = batch["response_mask"].bool()
     out = {"rows": float(len(batch)), "tokens": float(mask.sum())}
     if "token_level_rewards" in batch or "token_level_scores" in batch:
@@ -136,11 +136,20 @@ def policy_data_metrics(batch: Batch, policy: str) -> dict[str, float]:
         adv = batch["advantages"][mask]
         out["advantages/mean"], out["advantages/max"], out["advantages/min"] = (float(adv.mean()), float(adv.max()),
                                                                                 float(adv.min()))
-    if "entropys" in batch and mask.any():
-        out["entropy"] = float(batch["entropys"][mask].mean())
     if "ref_log_prob" in batch and "old_log_probs" in batch and mask.any():
         out["kl"] = float((batch["old_log_probs"] - batch["ref_log_prob"])[mask].mean())
     return {metric_key(policy, k): v for k, v in out.items()}
+
+
+def policy_entropy(batch: Batch) -> dict[str, float]:
+    """``policy/<name>/entropy``: the mean entropy of each policy's response tokens under the actor."""
+    out = {}
+    for policy in dict.fromkeys(batch["policy"]):
+        rows = rows_of(batch["policy"], policy)
+        mask = batch["response_mask"][rows].bool()
+        if mask.any():
+            out[metric_key(policy, "entropy")] = float(batch["entropys"][rows][mask].mean())
+    return out
 
 
 def update_policies(model: torch.nn.Module, optimizers: PolicyOptimizers, batch: Batch, policies: np.ndarray,

@@ -115,10 +115,11 @@ def post_process_batch(ctx, batch):
     if "rollouts" in batch.meta and "input_ids" not in batch:
         aggregate = ctx.components.get("aggregator", cfg.aggregator).obj
         if ctx.config.policies:  # several policies: rows per policy, grouped by (policy, task) (agl_core.policy_rows)
+            from agl_core.policies import training_policies
             from agl_core.policy_rows import aggregate_by_policy
 
-            batch = aggregate_by_policy(lambda rollouts: aggregate(ctx, rollouts), batch.meta["rollouts"],
-                                        ctx.config.trainer.agent_match)
+            trained = training_policies(ctx.config.policies, ctx.config.trainer.agent_match)
+            batch = aggregate_by_policy(lambda rollouts: aggregate(ctx, rollouts), batch.meta["rollouts"], trained)
         else:
             batch = aggregate(ctx, batch.meta["rollouts"])
     if cfg.drop_zero_variance_groups and len(batch):
