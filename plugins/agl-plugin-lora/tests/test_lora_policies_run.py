@@ -116,12 +116,10 @@ def test_agent_match_trains_only_the_selected_role(tmp_path):
     path = recipe_file(tmp_path, agent_match=["planner"])
     trainer = Trainer(*load(path, [], PLUGINS), train_tasks=TASKS, val_tasks=[])
     trainer.ctx.config.trainer.save_freq = 0
-    from agl_plugin_torch.plugin import backend_of
-
-    before = adapters(backend_of(trainer.ctx))
     metrics = trainer.fit()
-    after = adapters(trainer.ctx.state["torch"])
-    moved = {adapter_name_of(n) for n in before if not torch.equal(before[n], after[n])}
+    actor = trainer.ctx.state["torch"].actor
+    # A fresh adapter's B matrices are zero (it starts as the identity): only an update moves them.
+    moved = {adapter_name_of(n) for n, p in actor.named_parameters() if ".lora_B." in n and p.abs().sum() > 0}
     assert moved == {"planner"}  # the solver's calls were served and recorded, never trained
     assert "policy/planner/rows" in metrics and "policy/solver/rows" not in metrics
     assert list(trainer.ctx.state["torch"].policy_optims.optims) == ["planner"]
