@@ -3,7 +3,12 @@
 The hinter is asked for a clue to a secret number ("hint for 3") and writes
 one word. The guesser sees only that word ("clue red") and answers a number.
 Both win (reward 1.0) when the guess is the secret: the pair must agree on a
-code, which neither can learn alone. Each role is its own policy of the run
+code, which neither can learn alone. A round the guesser loses still pays
+``CLUE_BONUS`` when the clue names the secret: from a model built from a
+config (no pretraining), neither role's output depends on its input at first,
+so with the win alone no clue is more useful than another and the pair never
+breaks the symmetry; the bonus makes the obvious code (the secret itself)
+worth learning first, and the guesser then learns to read it. Each role is its own policy of the run
 (its own LoRA adapter on the one base model): the agent makes a client per
 role with ``llm.for_role(name)``, and the gateway routes each call to that
 role's adapter and records the role on the call's span.
@@ -24,6 +29,8 @@ from agl_core.data import Task
 
 NUMBER = re.compile(r"-?\d+")
 HINTER, GUESSER = "hinter", "guesser"
+CLUE_BONUS = 0.3
+"""The reward of a lost round whose clue names the secret."""
 
 HTTP = per_thread(DefaultHttpxClient)
 """An HTTP client per worker thread, reused by its games (see examples/guess_number/agent.py)."""
@@ -51,4 +58,6 @@ def two_roles(task: Task, llm) -> float:
     temperature = 0.0 if task.split == "val" else llm.sampling.get("temperature", 1.0)
     clue = ask(llm.for_role(HINTER), f"hint for {secret}", temperature)
     guess = first_number(ask(llm.for_role(GUESSER), f"clue {clue}".strip(), temperature))
-    return 1.0 if guess == secret else 0.0
+    if guess == secret:
+        return 1.0
+    return CLUE_BONUS if first_number(clue) == secret else 0.0
