@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--store-token", help="bearer token of the store service (default: $AGL_STORE_TOKEN)")
     gateway.add_argument("--upstream", action="append", default=[], metavar="URL",
                          help="a policy server's base URL (…/v1); repeatable. The trainer sets them each step")
+    gateway.add_argument("--policy", action="append", default=[], metavar="NAME", dest="policies",
+                         help="a policy of the run (its recipe's policies section); repeatable. Calls are routed "
+                              "by model name or role to one of them (docs/multi-policy.md)")
     gateway.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                          help="a rollout.gateway setting, e.g. --config max_n=16; repeatable")
     _service_flags(gateway, token_env="AGL_GATEWAY_TOKEN")

@@ -8,11 +8,6 @@ each a LoRA adapter, ``critic`` the base model; the agent
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 import yaml
@@ -25,17 +20,9 @@ from agl_core.loop import Trainer
 from agl_plugin_lora.policies import adapter_name_of
 from agl_plugin_torch.testing import sampled_rows
 from lora_testkit import tiny_section
-from test_lora_run import TASKS
+from test_lora_run import TASKS, agl
 
 PLUGINS = ["torch", "traces", "lora"]
-
-
-def agl(*args) -> subprocess.CompletedProcess:
-    """The installed ``agl`` command, with this code first on the path (as the environment has it) and the tests'."""
-    exe = shutil.which("agl") or str(Path(sys.executable).with_name("agl"))
-    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
-    return subprocess.run([exe, *map(str, args)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": path})
 
 
 def recipe_file(tmp_path, **trainer) -> str:
