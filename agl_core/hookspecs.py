@@ -399,5 +399,8 @@ def export_model(ctx: TrainContext, path: str, out: str, merged: bool, policy: s
     returns ``out`` after writing them; for any other checkpoint it writes
     nothing and returns ``None``. Exactly one plugin must export: none is an
     error naming the run directory and the plugins asked, several an error
-    naming them.
+    naming them. ``policy`` (``agl export --policy NAME``) names one policy of
+    a run with a ``policies`` section (checked against the recipe before the
+    call; ``None`` otherwise): an exporter of several policies writes that
+    one, or each in ``out/<name>`` when it is None and ``merged`` is false.
     """
