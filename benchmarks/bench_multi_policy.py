@@ -163,12 +163,12 @@ def learn(seed: int, args, frozen: bool) -> dict:
                        capture_output=True, text=True)
         wall = time.time() - start
         rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
-    val = [(r["step"], r.get("timestamp"), r["val/reward/mean"]) for r in rows if "val/reward/mean" in r]
-    reached = next(((step, ts) for step, ts, reward in val if reward >= args.goal), None)
-    t0 = rows[0].get("timestamp") if rows else None
-    return {"seed": seed, "reached_at_step": reached[0] if reached else None,
-            "seconds_to_goal": (reached[1] - t0) if reached and reached[1] and t0 else None,
-            "final_val_reward": val[-1][2] if val else None, "run_s": wall}
+    val = [(r["step"], r["val/reward/mean"]) for r in rows if "val/reward/mean" in r]
+    reached = next((step for step, reward in val if reward >= args.goal), None)
+    # Seconds of training to the goal: the steps' own times (timing_s/step) up to that step.
+    seconds = None if reached is None else sum(r.get("timing_s/step", 0.0) for r in rows if r["step"] <= reached)
+    return {"seed": seed, "reached_at_step": reached, "seconds_to_goal": seconds,
+            "final_val_reward": val[-1][1] if val else None, "run_s": wall}
 
 
 def main() -> None:
