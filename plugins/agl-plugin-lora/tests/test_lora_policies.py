@@ -153,3 +153,28 @@ def test_checkpoint_and_resume_restore_every_adapter_and_optimizer(backend, tmp_
     expected, _ = backend.logprobs(backend.actor, batch, with_entropy=False, adapters=["guesser"] * 8)
     got, _ = backend.logprobs(loaded, batch, with_entropy=False)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_the_endpoint_routes_each_request_to_its_policy_and_refuses_unknown_names(backend):
+    """Real HTTP on 127.0.0.1, the endpoint in a process of its own (the CPU default), the openai client."""
+    import openai
+
+    backend.start_serving("policy")
+    client = openai.OpenAI(base_url=backend.url, api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["hinter", "guesser", "judge", "coach"]
+    prompt = [{"role": "user", "content": "guess a number"}]
+    answers = {}
+    for policy, adapter in (("hinter", "hinter"), ("guesser", "guesser"), ("judge", "__base__")):
+        reply = client.chat.completions.create(model=policy, messages=prompt, max_tokens=4, temperature=0.0,
+                                               logprobs=True)
+        ids = testing.prompt(backend, "guess a number")
+        with adapters_per_row(backend.actor, adapter):
+            (alone,) = testing.sample(backend, [ids], [SamplingParams(max_tokens=4, temperature=0.0)])
+        assert [t.logprob for t in reply.choices[0].logprobs.content] == pytest.approx(alone.logprobs, abs=1e-5)
+        answers[policy] = reply.choices[0].message.content
+    stream = client.chat.completions.create(model="hinter", messages=prompt, max_tokens=4, temperature=0.0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == answers["hinter"]
+    with pytest.raises(openai.NotFoundError, match="names no policy of this endpoint; the policies are hinter, "
+                                                   "guesser, judge, coach"):
+        client.chat.completions.create(model="gpt-4o", messages=prompt, max_tokens=2)
