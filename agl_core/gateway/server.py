@@ -18,6 +18,11 @@ a token off loopback, bounded bodies, sampling parameters checked at the door
 (``n`` at most ``max_n``), a 400 naming the field for anything else. The
 ``model`` an agent names is forwarded as it is: the policy server decides
 (the embedded backend serves any name, vLLM refuses names it does not serve).
+In a run of several policies (the recipe's ``policies``) a call goes to the
+policy its client's role (``…/role/<name>/v1``, ``llm.for_role``) or its
+``model`` names, sent upstream as ``model``; a call naming none is a 404
+naming the policies (:mod:`agl_core.policies`). Every span records its
+``policy`` (None in a run of one).
 """
 
 from __future__ import annotations
