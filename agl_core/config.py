@@ -22,9 +22,10 @@ from typing import Any, Literal
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from agl_core.http.rules import temperature_problem
+from agl_core.policies import PolicyConfig, check_agent_match, check_names
 from agl_core.plugins import HOOK_KINDS, RESERVED_NAMES, PluginError, PluginSet, did_you_mean, parse_plugin_flags
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -135,6 +136,9 @@ class TrainerConfig(Section):
     balance_batch: bool = True
     progress: bool = True
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+    agent_match: str | list[str] | None = Field(
+        None, description="which policies' calls become training rows: a list of policy names, or a regex a name "
+                          "must match whole (None: every policy); the others are served and recorded, never trained")
 
 
 class SamplingConfig(Section):
@@ -222,7 +226,16 @@ class Recipe(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     plugins: PluginsConfig = Field(default_factory=PluginsConfig)
+    policies: dict[str, PolicyConfig] = Field(
+        default_factory=dict, description="several policies on one base model, by name (agl_core.policies); "
+                                          "empty: the run's one policy")
     _plugin_config: dict[str, BaseModel] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_policies(self) -> Recipe:
+        check_names(self.policies)
+        check_agent_match(self.trainer.agent_match, list(self.policies))
+        return self
 
     @property
     def plugin_config(self) -> dict[str, BaseModel]:

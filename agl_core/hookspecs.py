@@ -430,7 +430,7 @@ def log_metrics(ctx: HookContext, metrics: dict[str, Any], step: int) -> None:
 
 
 @broadcast
-def export_model(ctx: HookContext, path: str, out: str, merged: bool) -> str | None:
+def export_model(ctx: HookContext, path: str, out: str, merged: bool, policy: str | None) -> str | None:
     """Write the policy of the checkpoint directory ``path`` as a model others can load; return where.
 
     Kind: broadcast, called by ``agl export RUN_DIR`` (never during training)
@@ -447,5 +447,8 @@ def export_model(ctx: HookContext, path: str, out: str, merged: bool) -> str | N
     returns ``out`` after writing them; for any other checkpoint it writes
     nothing and returns ``None``. Exactly one plugin must export: none is an
     error naming the run directory and the plugins asked, several an error
-    naming them.
+    naming them. ``policy`` (``agl export --policy NAME``) names one policy of
+    a run with a ``policies`` section (checked against the recipe before the
+    call; ``None`` otherwise): an exporter of several policies writes that
+    one, or each in ``out/<name>`` when it is None and ``merged`` is false.
     """

@@ -81,6 +81,7 @@ def make_backend(mode: str, args: argparse.Namespace, run_dir: Path, hidden: int
     """
     from types import SimpleNamespace
 
+    from agl_core.config import Recipe
     from agl_plugin_torch.backend import create
     from agl_plugin_torch.settings import TorchConfig
 
@@ -94,7 +95,8 @@ def make_backend(mode: str, args: argparse.Namespace, run_dir: Path, hidden: int
                "forward_micro_batch_size": args.micro_batch}
     transforms = []
     if mode == "lora":
-        ctx = SimpleNamespace(slots={}, plugin_config=lambda name: LoraSettings(rank=args.rank, alpha=2 * args.rank))
+        ctx = SimpleNamespace(slots={}, plugin_config=lambda name: LoraSettings(rank=args.rank, alpha=2 * args.rank),
+                              config=Recipe())
         transforms.append(lambda actor: adapt_actor(actor, ctx))
     return create(TorchConfig.model_validate(section), run_dir, seed=0, with_critic=False, transforms=transforms)
 

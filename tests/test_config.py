@@ -44,7 +44,7 @@ def test_unknown_key_prints_full_path_and_allowed_keys():
 
 
 def test_unknown_section_lists_the_sections():
-    with pytest.raises(ConfigError, match=r"trainerr: unknown key \(allowed keys: data, algorithm, trainer, rollout, plugins\)"):
+    with pytest.raises(ConfigError, match=r"trainerr: unknown key \(allowed keys: data, algorithm, trainer, rollout, plugins, policies\)"):
         validate_recipe({"trainerr": {}})
 
 

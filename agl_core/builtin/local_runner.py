@@ -63,7 +63,8 @@ def start_runtime(ctx) -> LocalRuntime:
     # Rollouts left unfinished in a persistent store by an earlier process have no one waiting for them.
     cancel_abandoned(store, ctx.run_id)
     try:
-        gateway = Gateway(store, cfg.gateway, gateway_sampling(ctx), seed=gateway_seed(ctx))
+        gateway = Gateway(store, cfg.gateway, gateway_sampling(ctx), seed=gateway_seed(ctx),
+                          policies=list(ctx.config.policies))
         server = gateway.serve()
     except BaseException:
         store.close()

@@ -132,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--merged", metavar="OUT",
                         help="write a model that loads on its own (e.g. a LoRA adapter folded into its base)")
     target.add_argument("--out", metavar="OUT", help="write the policy in its plugin's own format (e.g. the adapter)")
+    export.add_argument("--policy", metavar="NAME", help="in a run of several policies: the one to write (--out "
+                                                         "without it writes each, in OUT/<name>)")
     export.set_defaults(run=cmd_export)
 
     serve = sub.add_parser("serve", help="run a service of the rollout plane in this process (docs/scaling-out.md)")
@@ -145,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--store-token", help="bearer token of the store service (default: $AGL_STORE_TOKEN)")
     gateway.add_argument("--upstream", action="append", default=[], metavar="URL",
                          help="a policy server's base URL (…/v1); repeatable. The trainer sets them each step")
+    gateway.add_argument("--policy", action="append", default=[], metavar="NAME", dest="policies",
+                         help="a policy of the run (its recipe's policies section); repeatable. Calls are routed "
+                              "by model name or role to one of them (docs/multi-policy.md)")
     gateway.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                          help="a rollout.gateway setting, e.g. --config max_n=16; repeatable")
     _service_flags(gateway, token_env="AGL_GATEWAY_TOKEN")

@@ -42,6 +42,15 @@ def cmd_train(args) -> int:
     return 0
 
 
+def check_export_policy(recipe, policy: str | None, merged: bool) -> None:
+    """ValueError when ``--policy`` names no policy of the run, or a merge of several policies names none."""
+    names = ", ".join(recipe.policies)
+    if policy is not None and policy not in recipe.policies:
+        raise ValueError(f"--policy {policy!r}: the run's policies are {names or 'none (it has one policy)'}")
+    if merged and policy is None and recipe.policies:
+        raise ValueError(f"the run has several policies ({names}): name the one to merge with --policy NAME")
+
+
 def cmd_export(args) -> int:
     """Ask the plugins of the run's recipe to export its checkpoint; exactly one must (hook ``export_model``)."""
     from agl_core.checkpoint import locate
@@ -60,9 +69,10 @@ def cmd_export(args) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out} exists and is not an empty directory; choose a new one")
     recipe, plugins = load(recipe_file, args.overrides, args.plugin_flags)
+    check_export_policy(recipe, args.policy, merged=args.merged is not None)
     ctx = TrainContext(recipe, plugins, Components.collect(plugins), run_dir)
     results = plugins.broadcast("export_model", ctx=ctx, path=str(checkpoint), out=str(out),
-                                merged=args.merged is not None)
+                                merged=args.merged is not None, policy=args.policy)
     exported = {name: result for name, result in results.items() if result is not None}
     if not exported:
         asked = ", ".join(results) or "none of the run's active plugins implements export_model"

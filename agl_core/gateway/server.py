@@ -25,6 +25,11 @@ what no store could record (JSON nested deeper than
 surrogate, anywhere in the body), on every route. The
 ``model`` an agent names is forwarded as it is: the policy server decides
 (the embedded backend serves any name, vLLM refuses names it does not serve).
+In a run of several policies (the recipe's ``policies``) a call goes to the
+policy its client's role (``…/role/<name>/v1``, ``llm.for_role``) or its
+``model`` names, sent upstream as ``model``; a call naming none is a 404
+naming the policies (:mod:`agl_core.policies`). Every span records its
+``policy`` (None in a run of one).
 """
 
 from __future__ import annotations
@@ -62,10 +67,13 @@ from agl_core.http.rules import (INT64_MAX, RequestError, check_bearer, check_sa
 from agl_core.http.limits import ServerLimits
 from agl_core.http.recordable import NotRecordable
 from agl_core.http.server import ServerThread
+from agl_core.policies import route
 from agl_core.rollout.store import AttemptState, LeaseError, Store
 
 log = logging.getLogger("agl_core.gateway")
 PREFIX = "/rollout/{rollout_id}/attempt/{attempt_id}/lease/{lease}/v1"
+ROLE_PREFIX = "/rollout/{rollout_id}/attempt/{attempt_id}/lease/{lease}/role/{role}/v1"
+"""The routes of a client made for one role (``llm.for_role``): each call is that role's policy's (agl_core.policies)."""
 
 
 @dataclass(frozen=True)
@@ -107,8 +115,10 @@ class Gateway:
     """
 
     def __init__(self, store: Store, config: GatewayConfig | None = None,
-                 sampling: dict[str, Any] | None = None, upstreams: list[str] = (), seed: int | None = None):
+                 sampling: dict[str, Any] | None = None, upstreams: list[str] = (), seed: int | None = None,
+                 policies: list[str] = ()):
         self.store = store
+        self.policies = list(policies)  # the run's policy names (agl_core.policies.route); empty: one policy
         self._admit_on_loop = getattr(store, "admits_at_once", False)  # see _admitted
         self.config = config or GatewayConfig()
         self.token = token_from(self.config.token, TOKEN_ENV)
@@ -128,10 +138,12 @@ class Gateway:
             self.config.upstream_timeout_s) if self.config.exact_contexts else None
         self.translated = TranslatedApis(self)  # /v1/messages and /v1/responses, over self.call
         self.app = Starlette(
-            routes=[Route(f"{PREFIX}/chat/completions", self._chat, methods=["POST"]),
-                    Route(f"{PREFIX}/completions", self._completions, methods=["POST"]),
-                    Route(f"{PREFIX}/messages", self.translated.messages, methods=["POST"]),
-                    Route(f"{PREFIX}/responses", self.translated.responses, methods=["POST"]),
+            routes=[api_route
+                    for prefix in (PREFIX, ROLE_PREFIX)
+                    for api_route in (Route(f"{prefix}/chat/completions", self._chat, methods=["POST"]),
+                                  Route(f"{prefix}/completions", self._completions, methods=["POST"]),
+                                  Route(f"{prefix}/messages", self.translated.messages, methods=["POST"]),
+                                  Route(f"{prefix}/responses", self.translated.responses, methods=["POST"]))] + [
                     Route(ADMIN_POLICY, self._set_policy, methods=["PUT"]),
                     Route("/healthz", self._health, methods=["GET"])],
             lifespan=self._lifespan)
@@ -143,9 +155,11 @@ class Gateway:
                             limits=ServerLimits(max_connections=self.config.max_connections)).start()
 
     @staticmethod
-    def base_url(server_url: str, rollout_id: str, attempt_id: str, lease: str) -> str:
-        """The OpenAI base URL an agent uses for one attempt of one rollout, leased under ``lease``."""
-        return f"{server_url}/rollout/{rollout_id}/attempt/{attempt_id}/lease/{lease}/v1"
+    def base_url(server_url: str, rollout_id: str, attempt_id: str, lease: str, role: str | None = None) -> str:
+        """The OpenAI base URL an agent uses for one attempt of one rollout, leased under ``lease`` (for one
+        ``role``'s calls, when given)."""
+        attempt = f"{server_url}/rollout/{rollout_id}/attempt/{attempt_id}/lease/{lease}"
+        return f"{attempt}/v1" if role is None else f"{attempt}/role/{role}/v1"
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette):
@@ -206,10 +220,11 @@ class Gateway:
             body = parse_json_object(await read_body(request, self.config.max_body_bytes,
                                                      "rollout.gateway.max_body_bytes",
                                                      self.config.body_timeout_s))
+            role = request.path_params.get("role")
             if body.get("stream"):
-                return EventStreamResponse(await self.open_stream(rollout_id, attempt_id, endpoint, body,
+                return EventStreamResponse(await self.open_stream(rollout_id, attempt_id, endpoint, body, role,
                                                                   lease=lease))
-            answer = await self.call(rollout_id, attempt_id, endpoint, body, lease=lease)
+            answer = await self.call(rollout_id, attempt_id, endpoint, body, role, lease=lease)
         except CallFailed as exc:
             if exc.raw is not None:  # the policy server's own error answer, passed on as it came
                 return Response(exc.raw, exc.status, media_type="application/json")
@@ -220,8 +235,8 @@ class Gateway:
 
     # ------------------------------------------------------------ the call
 
-    async def call(self, rollout_id: str, attempt_id: str, endpoint: str, body: dict[str, Any], *,
-                   lease: str | None = None) -> Answer:
+    async def call(self, rollout_id: str, attempt_id: str, endpoint: str, body: dict[str, Any],
+                   role: str | None = None, *, lease: str | None = None) -> Answer:
         """Perform one model call of a running attempt and record its span(s): the entry point of every API.
 
         ``endpoint`` is :data:`CHAT` or :data:`COMPLETIONS`; ``body`` the
@@ -242,7 +257,13 @@ class Gateway:
         Translations of other APIs (Anthropic Messages, OpenAI Responses) call
         this with the chat request they translate to and turn the answer or
         the error into their own shapes.
+
+        In a run of several policies the call goes to the policy its client's
+        ``role`` names, else the one its ``model`` names (sent upstream as the
+        ``model``), and every span records it as ``policy``; a call naming none
+        is refused with 404 naming the policies (:func:`agl_core.policies.route`).
         """
+        body, policy = self._routed(body, role)
         self.check_request(endpoint, body)
         state, sequence_ids = await self._admitted(rollout_id, attempt_id, body.get("n") or 1, lease)
         plan = await self._plan(rollout_id, attempt_id, endpoint, body)
@@ -261,7 +282,7 @@ class Gateway:
                     self._upstream_client, url, json.dumps(upstream_body).encode(), self.config.max_retries,
                     self.config.retry_backoff_s, self.config.max_upstream_bytes), plan, body)
         common = self._span_attributes(endpoint, upstream, forwarded.status, forwarded.tries, state, weight_version,
-                                       plan)
+                                       plan, policy)
         spans, response = _spans(rollout_id, attempt_id, sequence_ids, endpoint, body, forwarded, common,
                                  start, time.time(), converted)
         self._record(rollout_id, attempt_id, lease, spans)
@@ -276,7 +297,7 @@ class Gateway:
         return Answer(forwarded.status, response, forwarded.body)
 
     async def open_stream(self, rollout_id: str, attempt_id: str, endpoint: str,
-                          body: dict[str, Any], *, lease: str | None = None) -> CallStream:
+                          body: dict[str, Any], role: str | None = None, *, lease: str | None = None) -> CallStream:
         """Start one streamed model call of a running attempt: :meth:`call`'s streamed twin.
 
         Checked, admitted and forwarded as :meth:`call` does (with
@@ -296,8 +317,9 @@ class Gateway:
         then. A stream closed before its end (the agent went away) is
         recorded with ``attributes["incomplete"] = True``: counted, never
         trained on. ``stream.record_error`` says when the store could not
-        record it.
+        record it. The call is routed to its policy as :meth:`call` routes it.
         """
+        body, policy = self._routed(body, role)
         self.check_request(endpoint, body)
         state, sequence_ids = await self._admitted(rollout_id, attempt_id, body.get("n") or 1, lease)
         plan = await self._plan(rollout_id, attempt_id, endpoint, body)
@@ -332,7 +354,8 @@ class Gateway:
             status, tries = opened.status, opened.tries
             response, error = (converted, None) if converted is not None else _parsed(opened)
             if error is not None:
-                common = self._span_attributes(endpoint, upstream, status, tries, state, weight_version, plan)
+                common = self._span_attributes(endpoint, upstream, status, tries, state, weight_version, plan,
+                                               policy)
                 spans = _answer_spans(rollout_id, attempt_id, sequence_ids, endpoint, body, response, error, common,
                                       start, time.time())
                 self._record(rollout_id, attempt_id, lease, spans)
@@ -344,7 +367,7 @@ class Gateway:
             batches, release = sse_batches(opened.response), opened.response.release
             if exact:  # the token path's completions chunks, relayed as the chat chunks the agent asked for
                 batches = ChatChunks(plan).batches(batches)
-        common = self._span_attributes(endpoint, upstream, status, tries, state, weight_version, plan)
+        common = self._span_attributes(endpoint, upstream, status, tries, state, weight_version, plan, policy)
 
         async def on_close(stream: CallStream) -> None:
             await held.aclose()
@@ -366,10 +389,19 @@ class Gateway:
         return CallStream(endpoint, batches, on_close, release)
 
     def _span_attributes(self, endpoint: str, upstream: str | None, status: int, tries: int,
-                         state: AttemptState, weight_version: int | None, plan: Plan | None) -> dict[str, Any]:
+                         state: AttemptState, weight_version: int | None, plan: Plan | None,
+                         policy: str | None) -> dict[str, Any]:
         attributes = {"endpoint": endpoint, "upstream": upstream, "status_code": status, "upstream_tries": tries,
-                      "weight_version": weight_version, "agent_name": state.metadata.get("agent_name")}
+                      "weight_version": weight_version, "agent_name": state.metadata.get("agent_name"),
+                      "policy": policy}
         return attributes if plan is None else {**attributes, **plan.attributes()}
+
+    def _routed(self, body: dict[str, Any], role: str | None) -> tuple[dict[str, Any], str | None]:
+        """``body`` naming its policy as ``model``, and the policy (None in a run of one policy); 404 for none."""
+        policy = route(self.policies, body.get("model"), role)
+        if policy is None or body.get("model") == policy:
+            return body, policy
+        return {**body, "model": policy}, policy
 
     async def _plan(self, rollout_id: str, attempt_id: str, endpoint: str, body: dict[str, Any]) -> Plan | None:
         """How a chat call goes upstream, as text or as its exact context (:mod:`agl_core.gateway.contexts`);

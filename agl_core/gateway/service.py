@@ -43,7 +43,7 @@ def main(args) -> int:
     check_service(args.store, store_token, STORE_CONNECT_TIMEOUT_S, "the store service")
     store = HttpStore(args.store, store_token)
     try:
-        server = Gateway(store, config, upstreams=args.upstream).serve()
+        server = Gateway(store, config, upstreams=args.upstream, policies=args.policies).serve()
         # Start-up objects never die: keeping them out of the collector's scans keeps its pauses short.
         gc.freeze()
         print(server.url, flush=True)

@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import importlib_metadata
@@ -64,6 +64,23 @@ class LLM:
     model: str
     api_key: str
     sampling: dict[str, Any] = field(default_factory=dict)
+
+    def for_role(self, role: str) -> LLM:
+        """The handle of one role of a multi-agent rollout: its calls go to the policy ``role`` names.
+
+        In a run with a ``policies`` section every call made through this
+        handle's ``base_url`` is ``role``'s, whatever ``model`` the client
+        sends (an SDK agent written against another model name included), and
+        ``model`` is ``role``. Sending ``model=role`` through the plain handle
+        reaches the same policy. A role that is not a policy of the run is
+        refused with 404 naming the policies.
+        """
+        if not self.base_url.endswith(ROLE_URL_TAIL):
+            raise ValueError(f"llm.for_role needs the gateway's base URL (…{ROLE_URL_TAIL}), got {self.base_url!r}")
+        return replace(self, base_url=f"{self.base_url[:-len(ROLE_URL_TAIL)]}/role/{role}{ROLE_URL_TAIL}", model=role)
+
+
+ROLE_URL_TAIL = "/v1"
 
 
 def per_thread(make: Callable[[], T]) -> Callable[[], T]:

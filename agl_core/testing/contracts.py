@@ -492,7 +492,7 @@ WRAPPED_CALLS: dict[str, Callable[[ContractEnv], tuple[dict[str, Any], Any]]] = 
     "load_checkpoint": lambda env: ({"path": _checkpoint_dir(env)}, None),
     "log_metrics": lambda env: ({"metrics": {"actor/pg_loss": 0.5}, "step": 1}, None),
     "export_model": lambda env: ({"path": _checkpoint_dir(env), "out": str(env.ctx.run_dir / "export"),
-                                  "merged": True}, str(env.ctx.run_dir / "export")),
+                                  "merged": True, "policy": None}, str(env.ctx.run_dir / "export")),
 }
 """Hook → (the arguments of one call but ``ctx``, what a stand-in implementation returns) for a wrapper check."""
 

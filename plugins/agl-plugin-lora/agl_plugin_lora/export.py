@@ -74,6 +74,21 @@ def untie_if_trained_apart(model) -> None:
         text_config.tie_word_embeddings = False
 
 
+def export_policies(policies_dir: Path, out: Path, merged: bool, policy: str | None) -> Path:
+    """A checkpoint of several policies: ``policy``'s adapter merged or alone, else every adapter in ``out/<name>``."""
+    written = sorted(p.name for p in policies_dir.iterdir() if is_adapter_dir(p))
+    if policy is None:
+        if merged:
+            raise ValueError(f"the checkpoint holds the adapters of {', '.join(written)}: name one with --policy")
+        for name in written:
+            copy_adapter(policies_dir / name, out / name)
+        return out
+    if policy not in written:
+        raise ValueError(f"policy {policy!r} has no adapter in {policies_dir} (adapters: {', '.join(written)}; "
+                         f"a base policy is the base model itself)")
+    return (merge if merged else copy_adapter)(policies_dir / policy, out)
+
+
 def _require_adapter(path: Path) -> None:
     if not is_adapter_dir(path):
         raise FileNotFoundError(f"no LoRA adapter at {path}: expected a directory with {ADAPTER_CONFIG}")

@@ -29,12 +29,14 @@ from agl_plugin_lora.startup import NAME
 if TYPE_CHECKING:
     from agl_plugin_lora import adapter as lora_adapter
     from agl_plugin_lora import embedded, export, verl_backend
+    from agl_plugin_lora import policies as lora_policies
     from agl_plugin_torch.backend import Backend
 else:  # torch, transformers and peft: imported when a hook first needs them, not with the plugin (`agl plugins`)
     lora_adapter = LazyModule("agl_plugin_lora.adapter", globals(), "lora_adapter")
     embedded = LazyModule("agl_plugin_lora.embedded", globals())
     export = LazyModule("agl_plugin_lora.export", globals())
     verl_backend = LazyModule("agl_plugin_lora.verl_backend", globals())
+    lora_policies = LazyModule("agl_plugin_lora.policies", globals(), "lora_policies")
 
 TORCH, VERL = "torch", "verl"
 BACKENDS = (TORCH, VERL)
@@ -123,8 +125,29 @@ class LoraPlugin:
         return batch
 
     @hookimpl
-    def export_model(self, path, out, merged):
-        """An embedded checkpoint that holds an adapter: merged into its base model, or the adapter alone."""
+    def save_checkpoint(self, ctx, path):
+        """Several policies (embedded): each adapter as a PEFT directory, ``<checkpoint>/policies/<name>``.
+
+        The backend's own ``torch_state.pt`` holds every trained adapter and
+        its optimizer for resuming; these directories are what ``agl export``
+        writes and what peft loads.
+        """
+        if ctx.config.policies and backend_name(ctx) == TORCH:
+            backend = adapted_backend(ctx)
+            with backend.lock:
+                lora_policies.save_adapters(backend.actor, backend.tokenizer, Path(path) / lora_policies.POLICIES_DIR,
+                                            str(backend.source))
+
+    @hookimpl
+    def export_model(self, path, out, merged, policy):
+        """An embedded checkpoint that holds an adapter: merged into its base model, or the adapter alone.
+
+        Of several policies: ``policy``'s adapter (merged or alone), or every
+        adapter alone in ``out/<name>``.
+        """
+        policies_dir = Path(path) / lora_policies.POLICIES_DIR
+        if policies_dir.is_dir():
+            return str(export.export_policies(policies_dir, Path(out), merged, policy))
         adapter = _embedded_actor_dir(path)
         if adapter is None or not export.is_adapter_dir(adapter):
             return None

@@ -29,9 +29,10 @@ def check_start(ctx) -> None:
     reference (:func:`agl_plugin_verl.plugin.check_lora_reference`, which the
     verl plugin also runs before it builds its workers).
     """
-    from agl_plugin_verl.plugin import check_lora_reference
+    from agl_plugin_verl.plugin import check_lora_reference, check_policies
 
     check_lora_reference(ctx)
+    check_policies(ctx)  # verl serves one adapter: several policies are refused naming that limit
     check_reference_slot(ctx)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from agl_core.config import Recipe
+
 from agl_plugin_torch import testing
 from agl_plugin_torch.backend import Backend, create
 from agl_plugin_torch.settings import TorchConfig
@@ -19,7 +21,8 @@ def tiny_section(**overrides) -> dict:
 
 def adapted_backend(tmp_path, settings: LoraSettings, **section) -> Backend:
     """A torch backend (not serving) made with the plugin's actor transform, as a run with ``plugins.lora`` is."""
-    ctx = SimpleNamespace(slots={}, plugin_config=lambda name: settings)  # no KL term: no reference slot to check
+    ctx = SimpleNamespace(slots={}, plugin_config=lambda name: settings,  # no KL term: no reference slot to check
+                          config=Recipe())
     return create(TorchConfig.model_validate(tiny_section(**section)), tmp_path, seed=0, with_critic=False,
                   transforms=[lambda actor: adapt_actor(actor, ctx)])
 

@@ -22,7 +22,7 @@ from agl_plugin_lora.startup import check_reference_slot
 def test_the_plugin_passes_the_contract_check():
     assert check_plugin(plugin, "lora").hooks == ["compute_ref_logprob", "export_model", "load_checkpoint",
                                                   "on_train_start", "plugin_config_schema",
-                                                  "register_actor_transforms"]
+                                                  "register_actor_transforms", "save_checkpoint"]
 
 
 def test_the_plugin_registers_its_actor_transform():
@@ -77,7 +77,7 @@ def test_export_says_where_it_looked_for_an_adapter(tmp_path):
 def test_a_checkpoint_without_an_adapter_is_left_to_another_exporter(tmp_path):
     (tmp_path / "actor").mkdir()
     (tmp_path / "actor" / "model.safetensors").write_bytes(b"")
-    assert plugin.export_model(path=str(tmp_path), out=str(tmp_path / "out"), merged=True) is None
+    assert plugin.export_model(path=str(tmp_path), out=str(tmp_path / "out"), merged=True, policy=None) is None
     assert not (tmp_path / "out").exists()
 
 

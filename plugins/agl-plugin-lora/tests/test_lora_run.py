@@ -67,8 +67,9 @@ def run(path, overrides=(), lora_extra=False) -> tuple[Trainer, dict[str, float]
 def agl(*args) -> subprocess.CompletedProcess:
     """The installed ``agl`` command, as a user runs it."""
     exe = shutil.which("agl") or str(Path(sys.executable).with_name("agl"))
+    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
     return subprocess.run([exe, *map(str, args)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
+                          env={**os.environ, "PYTHONPATH": path})
 
 
 def test_lora_run_trains_the_adapter_resumes_with_lora_after_torch_and_exports_merged(tmp_path):

@@ -42,7 +42,7 @@ def test_a_verl_checkpoint_is_neither_refused_nor_exported_as_an_embedded_one(tm
     actor.mkdir(parents=True)
     (actor / "model_world_size_2_rank_0.pt").write_bytes(b"")
     plugin.load_checkpoint(ctx=None, path=str(tmp_path))
-    assert plugin.export_model(path=str(tmp_path), out=str(tmp_path / "out"), merged=True) is None
+    assert plugin.export_model(path=str(tmp_path), out=str(tmp_path / "out"), merged=True, policy=None) is None
 
 
 def test_on_verl_the_plugin_runs_without_agl_plugin_torch():

@@ -24,6 +24,7 @@ from agl_core.config import AlgorithmConfig
 from agl_core.data import Batch
 
 from agl_plugin_torch import modeling, serving_process, training, update_process
+from agl_plugin_torch.policies import PolicyOptimizers, adapters_per_row, update_policies
 from agl_plugin_torch.forward import response_logprobs, response_values
 from agl_plugin_torch.serving_process import Endpoint, RemoteEndpoint
 from agl_plugin_torch.settings import NAME, TorchConfig
@@ -74,6 +75,7 @@ class Backend:
     serving: PreTrainedModel | None = None
     serving_lock: Any = None
     update_process: WorkerProcess | None = None
+    policy_optims: PolicyOptimizers | None = None  # several policies: one optimizer per trainable adapter
 
     @classmethod
     def for_training(cls, config: TorchConfig, source: Path, actor: PreTrainedModel,
@@ -189,10 +191,10 @@ class Backend:
             return getattr(self, method)(*args)
         return self.update_process.call(method, *args)
 
-    def old_logprobs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The actor's log-probs and entropy of every row's response."""
+    def old_logprobs(self, batch: Batch, adapters: Sequence[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The actor's log-probs and entropy of every row's response (row i through ``adapters[i]``, when given)."""
         with self.lock:
-            return self.logprobs(self.actor, batch, with_entropy=True)
+            return self.logprobs(self.actor, batch, with_entropy=True, adapters=adapters)
 
     def ref_logprobs(self, batch: Batch) -> torch.Tensor:
         """The reference policy's log-probs of every row's response."""
@@ -204,6 +206,13 @@ class Backend:
             return training.update_actor(self.actor, self.actor_optim, self.actor_sched, batch, algorithm,
                                          policy_loss, self.config.actor)
 
+    def update_policies(self, batch: Batch, policies: Any, algorithm: AlgorithmConfig,
+                        policy_loss: PolicyLoss) -> dict[str, float]:
+        """Each trainable policy's adapter updated on its rows (``policies``: row i's policy), with its own optimizer."""
+        with self.lock:
+            return update_policies(self.actor, self.policy_optims, batch, policies, algorithm, policy_loss,
+                                   self.config.actor)
+
     def update_critic(self, batch: Batch, algorithm: AlgorithmConfig) -> dict[str, float]:
         """Value-loss updates of the critic on ``batch`` (:func:`agl_plugin_torch.training.update_critic`)."""
         return training.update_critic(self.critic, self.critic_optim, self.critic_sched, batch, algorithm,
@@ -212,6 +221,7 @@ class Backend:
     def optimizer_states(self) -> dict[str, Any]:
         """The optimizers' and schedules' states, by field name (the critic's when there is one)."""
         names = ("actor_optim", "actor_sched") + (("critic_optim", "critic_sched") if self.critic is not None else ())
+        names += ("policy_optims",) if self.policy_optims is not None else ()
         return {name: getattr(self, name).state_dict() for name in names}
 
     def load_optimizer_states(self, states: dict[str, Any]) -> None:
@@ -227,13 +237,15 @@ class Backend:
         return self.ref
 
     @torch.no_grad()
-    def logprobs(self, model: torch.nn.Module, batch: Batch,
-                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Response log-probs (and entropy) of every row, in forward micro-batches."""
+    def logprobs(self, model: torch.nn.Module, batch: Batch, with_entropy: bool,
+                 adapters: Sequence[str] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Response log-probs (and entropy) of every row, in forward micro-batches; row i through ``adapters[i]``."""
         device = _device(model)
-        parts = [response_logprobs(model, *_inputs(batch, rows, device), batch["responses"][rows].to(device),
-                                   with_entropy=with_entropy)
-                 for rows in _slices(len(batch), self.config.forward_micro_batch_size)]
+        parts = []
+        for rows in _slices(len(batch), self.config.forward_micro_batch_size):
+            with adapters_per_row(model, None if adapters is None else adapters[rows]):
+                parts.append(response_logprobs(model, *_inputs(batch, rows, device),
+                                               batch["responses"][rows].to(device), with_entropy=with_entropy))
         log_probs = torch.cat([p[0] for p in parts]).cpu()
         return log_probs, torch.cat([p[1] for p in parts]).cpu() if with_entropy else None
 
@@ -282,7 +294,7 @@ class Backend:
                                    f"({len(missing)} weights missing, e.g. {missing[:2]}; {len(unexpected)} "
                                    f"unexpected, e.g. {unexpected[:2]}): was it saved with other actor transforms "
                                    f"(e.g. a LoRA adapter) than this run applies?")
-        optimizers = ("actor_optim", "actor_sched")
+        optimizers = ("actor_optim", "actor_sched") + (("policy_optims",) if self.policy_optims is not None else ())
         self.generator.set_state(state["generator"])
         if self.critic is not None:
             if "critic" not in state:

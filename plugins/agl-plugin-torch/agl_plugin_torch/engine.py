@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from agl_plugin_torch.policies import BASE, adapters_per_row
 from agl_plugin_torch.sampling import DYNAMIC, Sample, SamplingParams, generate
 
 log = logging.getLogger("agl_plugin_torch")
@@ -47,6 +48,7 @@ class _Job:
     prompts: Sequence[Sequence[int]]
     params: Sequence[SamplingParams]
     on_token: TokenCallback | None = None
+    adapter: str | None = None  # the adapter of the request's policy (several policies), else None
     streamed: bool = False  # a token of it went out: it cannot be generated again
     future: Future = field(default_factory=Future)
 
@@ -94,18 +96,21 @@ class Engine:
                 job.future.set_exception(RuntimeError("the policy engine stopped"))
 
     def submit(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-               on_token: TokenCallback | None = None) -> Future:
+               on_token: TokenCallback | None = None, adapter: str | None = None) -> Future:
         """Queue the generation of ``prompts`` (one params each); the future resolves to :class:`Generated`.
 
         Cancelling the future before the worker takes the request drops it.
         ``on_token(row, sample)`` is called, from the engine's thread, each
         time a row of this request gets a token (streaming), before the future
         resolves; a streamed request whose batch fails fails with it (its
-        tokens went out: it is not generated again alone).
+        tokens went out: it is not generated again alone). ``adapter`` names
+        the adapter of the request's policy when the model serves several
+        (:mod:`agl_plugin_torch.policies`): requests of different adapters are
+        generated in the same batch, each row through its own.
         """
         if self._stopping.is_set():
             raise RuntimeError("the policy engine stopped")
-        job = _Job(prompts, params, on_token)
+        job = _Job(prompts, params, on_token, adapter)
         self._queue.put(job)
         return job.future
 
@@ -158,7 +163,9 @@ class Engine:
     def _run(self, jobs: list[_Job]) -> None:
         prompts = [p for job in jobs for p in job.prompts]
         params = [p for job in jobs for p in job.params]
-        with self.lock:
+        routed = any(job.adapter is not None for job in jobs)
+        adapters = [job.adapter or BASE for job in jobs for _ in job.prompts] if routed else None
+        with self.lock, adapters_per_row(self.model, adapters):
             start, wall_start = time.thread_time(), time.perf_counter()
             version = self.weight_version()
             samples = generate(self.model, prompts, params, eos_token_ids=self.eos_token_ids,

@@ -24,11 +24,13 @@ if TYPE_CHECKING:
     import torch
 
     from agl_plugin_torch import backend as torch_backend, worker_process
+    from agl_plugin_torch import policies as policy_rows
     from agl_plugin_torch.backend import ActorTransform, Backend
 else:  # torch and transformers: imported when a hook first runs, so importing the plugin (`agl plugins`) stays cheap
     torch_backend = LazyModule("agl_plugin_torch.backend", globals(), "torch_backend")
     worker_process = LazyModule("agl_plugin_torch.worker_process", globals())
     torch = LazyModule("torch", globals())
+    policy_rows = LazyModule("agl_plugin_torch.policies", globals(), "policy_rows")
 
 log = logging.getLogger("agl_plugin_torch")
 
@@ -68,9 +70,12 @@ def backend_of(ctx) -> Backend:
             # Before this process imports transformers and makes the model: the endpoint serves ~2 s sooner.
             worker_process.start_fork_server()
         estimator = ctx.components.get("estimator", ctx.config.algorithm.estimator)
-        ctx.state[NAME] = torch_backend.create(config, ctx.run_dir, ctx.config.trainer.seed,
-                                               with_critic=estimator.options.get("needs_critic", False),
-                                               transforms=actor_transforms(ctx))
+        backend = torch_backend.create(config, ctx.run_dir, ctx.config.trainer.seed,
+                                       with_critic=estimator.options.get("needs_critic", False),
+                                       transforms=actor_transforms(ctx))
+        if ctx.config.policies:
+            backend.policy_optims = policy_optimizers(ctx, backend)
+        ctx.state[NAME] = backend
     return ctx.state[NAME]
 
 
@@ -124,8 +129,11 @@ class TorchBackend:
     @hookimpl
     def compute_old_logprob(self, ctx, batch):
         backend = backend_of(ctx)
-        log_probs, entropy = backend.run("old_logprobs", columns(backend, batch, FORWARD_INPUTS))
+        log_probs, entropy = backend.run("old_logprobs", columns(backend, batch, FORWARD_INPUTS),
+                                         row_adapters(backend, batch))
         batch["old_log_probs"], batch["entropys"] = log_probs, entropy
+        if "policy" in batch:  # the loop reports the batch's entropy and drops the column before the update
+            ctx.step_metrics.update(policy_rows.policy_entropy(batch))
         if backend.endpoint is not None:
             # The model's own share of the rollouts (timing_s/gen also holds agents, HTTP, gateway, store).
             ctx.step_metrics["perf/gen_engine_cpu_s"] = backend.generated_cpu_s() - backend.busy_at_step_start
@@ -156,7 +164,15 @@ class TorchBackend:
         keys = ROW_INPUTS + ["old_log_probs", "advantages"] + (["ref_log_prob"] if algorithm.policy_loss.use_kl_loss
                                                                 else [])
         keys += [key for key in LOSS_COLUMNS if key in batch]
-        metrics = backend.run("update_actor", columns(backend, batch, keys), algorithm, policy_loss)
+        if backend.policy_optims is not None:
+            metrics = {}
+            for policy in dict.fromkeys(batch["policy"]):
+                metrics.update(policy_rows.policy_data_metrics(batch[policy_rows.rows_of(batch["policy"], policy)],
+                                                               policy))
+            metrics.update(backend.run("update_policies", columns(backend, batch, keys), batch["policy"], algorithm,
+                                       policy_loss))
+        else:
+            metrics = backend.run("update_actor", columns(backend, batch, keys), algorithm, policy_loss)
         backend.set_weight_version(ctx.step)  # the endpoint now serves this step's weights
         if backend.actor.device.type == "cuda":  # verl's names: the step's peak, generation included
             metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(backend.actor.device) / 2**30
@@ -184,6 +200,28 @@ class TorchBackend:
         """A fully fine-tuned actor is a plain Hugging Face model: its directory is copied (merged or not)."""
         exported = torch_backend.export_actor(Path(path), Path(out))
         return None if exported is None else str(exported)
+
+
+def policy_optimizers(ctx, backend: Backend):
+    """One optimizer per policy that trains (agl_core.policies), over its adapter; a clear error without adapters."""
+    from agl_core.policies import training_policies
+
+    if policy_rows.policy_adapters(backend.actor) is None:
+        raise PluginError("the recipe has a policies section but no actor transform put the policies' adapters on "
+                          "the actor: enable the lora plugin (plugins: [torch, lora])")
+    if ctx.config.trainer.async_.max_staleness:
+        raise PluginError("several policies (the policies section) train synchronously on the torch backend: "
+                          "set trainer.async.max_staleness=0")
+    trains = training_policies(ctx.config.policies, ctx.config.trainer.agent_match)
+    return policy_rows.PolicyOptimizers(backend.actor, {name: ctx.config.policies[name].lr for name in trains},
+                                        backend.config.actor)
+
+
+def row_adapters(backend: Backend, batch):
+    """The adapter of each row's policy (the ``policy`` column), or None for an actor of one policy."""
+    if "policy" not in batch or policy_rows.policy_adapters(backend.actor) is None:
+        return None
+    return policy_rows.adapters_of_rows(backend.actor, batch["policy"])
 
 
 def columns(backend: Backend, batch, keys: list[str]):

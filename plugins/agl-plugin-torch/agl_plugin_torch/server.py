@@ -72,6 +72,7 @@ from agl_core.http.limits import ServerLimits
 from agl_core.http.server import ServerThread
 
 from agl_plugin_torch.engine import Engine, Generated
+from agl_plugin_torch.policies import adapter_of, policy_adapters
 from agl_plugin_torch.sampling import SamplingParams
 from agl_plugin_torch.scoring import prompt_logprobs, prompt_logprobs_field
 from agl_plugin_torch.settings import ServingConfig
@@ -155,10 +156,11 @@ class PolicyServer:
         except RequestError as exc:
             return error_response(exc.status, str(exc))
         # root: where the tokenizer was loaded from, as vLLM lists its model's path; the gateway renders exact
-        # contexts with the same files (agl_core.gateway.chat_template).
-        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                                         "owned_by": "agl-plugin-torch",
-                                                         "root": self.tokenizer.name_or_path or None}]})
+        # contexts with the same files (agl_core.gateway.chat_template). Several policies: each is a model.
+        names = list(policy_adapters(self.engine.model) or [self.model_name])
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "agl-plugin-torch",
+                                                         "root": self.tokenizer.name_or_path or None}
+                                                        for name in names]})
 
     async def _health(self, request: Request) -> Response:
         return health_response(request, self.token, {"weight_version": self.engine.weight_version()})
@@ -169,7 +171,7 @@ class PolicyServer:
             check_bearer(request, self.token)
             body = parse_json_object(await read_body(request, config.max_body_bytes,
                                                      "plugins.torch.serving.max_body_bytes", config.body_timeout_s))
-            self._check_model(body.get("model"))
+            adapter = self._check_model(body.get("model"))
             if not chat and body.get("prompt_logprobs") is not None:
                 return await self._score(body)
             tools, opening = None, ""
@@ -190,13 +192,15 @@ class PolicyServer:
             stream = TokenStream(body, chat, prompt_ids, len(params), params[0].stop, self.engine.decode,
                                  self._token_text, stream_text=not tools, model=body.get("model") or self.model_name)
             try:
-                future = self.engine.submit([prompt_ids] * len(params), params, on_token=stream.on_token)
+                future = self.engine.submit([prompt_ids] * len(params), params, on_token=stream.on_token,
+                                            adapter=adapter)
             except RuntimeError as exc:
                 return error_response(503, str(exc))
             future.add_done_callback(stream.on_done)
             return StreamingResponse(stream.events(future, finish), media_type=EVENT_STREAM)
         try:
-            generated: Generated = await asyncio.wrap_future(self.engine.submit([prompt_ids] * len(params), params))
+            generated: Generated = await asyncio.wrap_future(self.engine.submit([prompt_ids] * len(params), params,
+                                                                                adapter=adapter))
         except Exception as exc:  # noqa: BLE001 - reported to the client, logged by the engine
             return error_response(500, f"generation failed: {exc!r}")
         return JSONResponse(finish(generated))
@@ -240,12 +244,18 @@ class PolicyServer:
 
     # ------------------------------------------------------------ requests
 
-    def _check_model(self, name: Any) -> None:
-        """Accept any model name (see the module's docstring); log each name but the served one, once."""
-        if name is None:
-            return
-        if not isinstance(name, str):
+    def _check_model(self, name: Any) -> str | None:
+        """The adapter of the policy ``name`` names when the model serves several (404 naming them for none);
+        else accept any model name (see the module's docstring), logging each name but the served one, once."""
+        if name is not None and not isinstance(name, str):
             raise RequestError(400, f"'model' must be a string, got {type(name).__name__}")
+        if policy_adapters(self.engine.model) is not None:
+            try:
+                return adapter_of(self.engine.model, name if name is not None else "")
+            except KeyError as exc:
+                raise RequestError(404, exc.args[0]) from None
+        if name is None:
+            return None
         if name != self.model_name and name not in self._reported_names and \
                 len(self._reported_names) < MAX_REPORTED_NAMES:
             self._reported_names.add(name)

@@ -34,8 +34,9 @@ TASKS = [Task(id=f"t{i}", input={"text": f"guess a number {i}"}) for i in range(
 
 def agl(*args) -> subprocess.CompletedProcess:
     exe = shutil.which("agl") or str(Path(sys.executable).with_name("agl"))
+    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
     return subprocess.run([exe, *map(str, args)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
+                          env={**os.environ, "PYTHONPATH": path})
 
 
 def test_torch_agl_export_writes_the_fine_tuned_actor(tmp_path):

@@ -115,7 +115,14 @@ def post_process_batch(ctx, batch):
     cfg = settings_of(ctx)
     if "rollouts" in batch.meta and "input_ids" not in batch:
         aggregate = ctx.components.get("aggregator", cfg.aggregator).obj
-        batch = aggregate(ctx, batch.meta["rollouts"])
+        if ctx.config.policies:  # several policies: rows per policy, grouped by (policy, task) (agl_core.policy_rows)
+            from agl_core.policies import training_policies
+            from agl_core.policy_rows import aggregate_by_policy
+
+            trained = training_policies(ctx.config.policies, ctx.config.trainer.agent_match)
+            batch = aggregate_by_policy(lambda rollouts: aggregate(ctx, rollouts), batch.meta["rollouts"], trained)
+        else:
+            batch = aggregate(ctx, batch.meta["rollouts"])
         batch.meta["aggregator"] = cfg.aggregator  # estimators see how the rows were made
     if cfg.drop_zero_variance_groups and len(batch):
         batch, metrics = drop_zero_variance_groups(batch)

@@ -95,6 +95,33 @@ def check_lora_reference(ctx) -> None:
             f"reference model")
 
 
+def check_policies(ctx) -> None:
+    """Refuse a ``policies`` section verl cannot serve, before Ray or any worker starts.
+
+    verl holds one LoRA adapter: its engine wraps the actor with one peft
+    adapter and its vLLM rollout is built with ``max_loras: 1``, applying that
+    adapter to every request of its own generate path. So more than one
+    trainable adapter is refused naming that limit, and so is one trainable
+    adapter beside frozen or base roles: verl would serve their calls with the
+    trained adapter, not apart. One policy is a plain LoRA run: ``plugins.lora``
+    without a ``policies`` section (whose adapter keys verl's translation would not read).
+    """
+    policies = ctx.config.policies
+    if not policies:
+        return
+    trains = [name for name, spec in policies.items() if spec.trains]
+    if len(trains) > 1:
+        raise PluginError(f"the policies section has {len(trains)} trainable adapters ({', '.join(trains)}), but "
+                          f"verl trains and serves one LoRA adapter (its actor carries one peft adapter and its "
+                          f"vLLM rollout runs with max_loras=1): train several policies on the embedded backend "
+                          f"(plugins: [torch, lora]), or one policy here with plugins.lora")
+    raise PluginError(f"the policies section has {len(policies)} {'policies' if len(policies) > 1 else 'policy'} "
+                      f"({', '.join(policies)}), but verl serves one LoRA adapter to every call (max_loras=1): "
+                      f"frozen and base roles cannot be served apart from a trained one, and one policy is "
+                      f"plugins.lora's adapter; use the embedded backend (plugins: [torch, lora]) for several "
+                      f"policies, or drop the policies section for one LoRA policy")
+
+
 def reference_logprobs(ctx, batch) -> torch.Tensor:
     """Reference log-probs of ``batch`` from verl's workers, as verl's ``RayPPOTrainer._compute_ref_log_prob``.
 
@@ -211,6 +238,7 @@ def on_train_start(ctx):
     check_served_model_name(ctx.config, cfg)
     world = _check_batch_sizes(ctx.config, cfg)
     check_lora_reference(ctx)
+    check_policies(ctx)
     registrations = Registrations.from_components(ctx.components)
     install(registrations)  # the driver's registry too: verl code run here looks names up
     state = state_of(ctx)

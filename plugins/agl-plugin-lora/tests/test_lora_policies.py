@@ -1,0 +1,180 @@
+"""Several policies on one tiny llama (built from a config): a named adapter each, mixed batches, per-policy updates."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from agl_core.config import validate_recipe
+from agl_core.builtin.estimators import vanilla_policy_loss
+from agl_plugin_torch import testing
+from agl_plugin_torch.backend import create
+from agl_plugin_torch.policies import PolicyOptimizers, adapters_per_row, adapter_parameters
+from agl_plugin_torch.sampling import SamplingParams
+from agl_plugin_torch.settings import TorchConfig
+
+from agl_plugin_lora.embedded import adapt_actor, reference_logprobs
+from agl_plugin_lora.policies import POLICIES_DIR, adapter_name_of, save_adapters
+from agl_plugin_lora.settings import LoraSettings
+from lora_testkit import algorithm, tiny_section
+
+POLICIES = {"hinter": {"adapter": {"rank": 4}}, "guesser": {"adapter": {"rank": 2, "alpha": 4}, "lr": 0.1},
+            "judge": {"base": True}, "coach": {"trainable": False}}
+
+
+def multi_backend(tmp_path, agent_match=None):
+    recipe = validate_recipe({"policies": POLICIES, "trainer": {"agent_match": agent_match}})
+    ctx = SimpleNamespace(slots={}, plugin_config=lambda name: LoraSettings(rank=4, alpha=8), config=recipe)
+    backend = create(TorchConfig.model_validate(tiny_section()), tmp_path, seed=0, with_critic=False,
+                     transforms=[lambda actor: adapt_actor(actor, ctx)])
+    trains = ["hinter", "guesser"]
+    backend.policy_optims = PolicyOptimizers(backend.actor, {p: recipe.policies[p].lr for p in trains},
+                                             backend.config.actor)
+    return backend
+
+
+def perturb(model, adapter, seed):
+    """Move an adapter off the identity (B = 0 at the start), so that the policies compute different things."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in adapter_parameters(model, adapter):
+            param.add_(torch.randn(param.shape, generator=generator) * 0.3)
+
+
+def snapshot(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture
+def backend(tmp_path):
+    made = multi_backend(tmp_path)
+    for seed, adapter in enumerate(["hinter", "guesser", "coach"]):
+        perturb(made.actor, adapter, seed)
+    yield made
+    made.stop_serving()
+
+
+def test_each_policy_has_its_adapter_on_one_base(backend):
+    actor = backend.actor
+    assert set(actor.peft_config) == {"hinter", "guesser", "coach"}  # judge is the base itself
+    assert actor.peft_config["hinter"].r == 4 and actor.peft_config["guesser"].r == 2
+    assert actor.peft_config["coach"].r == 4  # plugins.lora's shape where the policy sets none
+    trains = {adapter_name_of(n) for n, p in actor.named_parameters() if p.requires_grad}
+    assert trains == {"hinter", "guesser"}  # coach is frozen, the base weights too
+    base = [n for n, p in actor.named_parameters() if adapter_name_of(n) is None]
+    assert base and all(not dict(actor.named_parameters())[n].requires_grad for n in base)
+    # The base weights are held once: the base linear modules are not copied per adapter.
+    assert sum(p.numel() for n, p in actor.named_parameters() if adapter_name_of(n) is None) == \
+        sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(backend.source).parameters())
+
+
+def test_a_mixed_batch_gives_each_row_its_adapters_logprobs(backend):
+    batch = testing.sampled_rows(backend, n=8)
+    names = ["hinter", "guesser", "__base__", "coach"] * 2
+    mixed, _ = backend.logprobs(backend.actor, batch, with_entropy=False, adapters=names)
+    for adapter in ("hinter", "guesser", "__base__", "coach"):
+        alone, _ = backend.logprobs(backend.actor, batch, with_entropy=False, adapters=[adapter] * 8)
+        rows = [i for i, name in enumerate(names) if name == adapter]
+        torch.testing.assert_close(mixed[rows], alone[rows], atol=1e-5, rtol=0)
+    hinter, _ = backend.logprobs(backend.actor, batch, with_entropy=False, adapters=["hinter"] * 8)
+    guesser, _ = backend.logprobs(backend.actor, batch, with_entropy=False, adapters=["guesser"] * 8)
+    assert (hinter - guesser).abs().max() > 1e-3  # the adapters differ: the equality above is not vacuous
+
+
+def test_the_base_policy_and_the_reference_are_the_actor_with_adapters_off(backend, tmp_path):
+    batch = testing.sampled_rows(backend, n=4)
+    base, _ = backend.logprobs(backend.actor, batch, with_entropy=False, adapters=["__base__"] * 4)
+    reference = reference_logprobs(backend, batch)
+    plain = AutoModelForCausalLM.from_pretrained(backend.source)
+    expected, _ = backend.logprobs(plain, batch, with_entropy=False)
+    torch.testing.assert_close(base, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(reference, expected, atol=1e-5, rtol=0)
+    trains = {adapter_name_of(n) for n, p in backend.actor.named_parameters() if p.requires_grad}
+    assert trains == {"hinter", "guesser"}  # peft's enable_adapters would have left only the active one
+
+
+def test_generation_in_one_batch_matches_each_adapter_alone(backend):
+    prompt = testing.prompt(backend, "guess a number")
+    params = [SamplingParams(max_tokens=5, temperature=0.0)] * 3
+    with adapters_per_row(backend.actor, ["hinter", "guesser", "__base__"]):
+        mixed = testing.sample(backend, [prompt] * 3, params)
+    for row, adapter in enumerate(["hinter", "guesser", "__base__"]):
+        with adapters_per_row(backend.actor, adapter):
+            (alone,) = testing.sample(backend, [prompt], params[:1])
+        assert mixed[row].token_ids == alone.token_ids
+        np.testing.assert_allclose(mixed[row].logprobs, alone.logprobs, atol=1e-5)
+
+
+def test_an_update_moves_only_its_policys_adapter(backend):
+    batch = testing.sampled_rows(backend, n=16)
+    policies = np.array(["hinter"] * 8 + ["judge"] * 8, dtype=object)
+    batch["old_log_probs"], _ = backend.logprobs(backend.actor, batch, with_entropy=False,
+                                                 adapters=["hinter"] * 8 + ["__base__"] * 8)
+    batch["advantages"] = torch.randn(16, batch["responses"].shape[1], generator=torch.Generator().manual_seed(1))
+    before = snapshot(backend.actor)
+    metrics = backend.update_policies(batch, policies, algorithm(), vanilla_policy_loss)
+    after = snapshot(backend.actor)
+    moved = {adapter_name_of(n) for n in before if not torch.equal(before[n], after[n])}
+    assert moved == {"hinter"}  # not guesser (no rows), not coach (frozen), not the base
+    assert "policy/hinter/pg_loss" in metrics and "policy/guesser/pg_loss" not in metrics
+    assert backend.policy_optims.optims["guesser"][0].state == {}  # guesser's optimizer never stepped
+    assert backend.policy_optims.optims["guesser"][0].param_groups[0]["lr"] == 0.1  # its own lr
+
+
+def test_checkpoint_and_resume_restore_every_adapter_and_optimizer(backend, tmp_path):
+    batch = testing.sampled_rows(backend, n=8)
+    batch["old_log_probs"], _ = backend.logprobs(backend.actor, batch, with_entropy=False, adapters=["guesser"] * 8)
+    batch["advantages"] = torch.ones(8, batch["responses"].shape[1])
+    backend.update_policies(batch, np.array(["guesser"] * 8, dtype=object), algorithm(), vanilla_policy_loss)
+    (tmp_path / "ckpt").mkdir()
+    backend.save(tmp_path / "ckpt")
+    written = save_adapters(backend.actor, backend.tokenizer, tmp_path / "ckpt" / POLICIES_DIR, str(backend.source))
+    assert sorted(written) == ["coach", "guesser", "hinter"]
+
+    resumed = multi_backend(tmp_path / "again")
+    resumed.load(tmp_path / "ckpt")
+    ours, theirs = dict(backend.actor.named_parameters()), dict(resumed.actor.named_parameters())
+    for name, param in ours.items():
+        if param.requires_grad:
+            torch.testing.assert_close(theirs[name], param, atol=0, rtol=0)
+    state = resumed.policy_optims.optims["guesser"][0].state_dict()["state"]
+    assert state and all("exp_avg" in s for s in state.values())
+
+    # Each adapter is a PEFT directory: peft loads it over the base and computes the adapter's log-probs.
+    config = json.loads((written["guesser"] / "adapter_config.json").read_text())
+    assert config["r"] == 2 and config["base_model_name_or_path"] == str(backend.source)
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(backend.source), written["guesser"])
+    expected, _ = backend.logprobs(backend.actor, batch, with_entropy=False, adapters=["guesser"] * 8)
+    got, _ = backend.logprobs(loaded, batch, with_entropy=False)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_the_endpoint_routes_each_request_to_its_policy_and_refuses_unknown_names(backend):
+    """Real HTTP on 127.0.0.1, the endpoint in a process of its own (the CPU default), the openai client."""
+    import openai
+
+    backend.start_serving("policy")
+    client = openai.OpenAI(base_url=backend.url, api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["hinter", "guesser", "judge", "coach"]
+    prompt = [{"role": "user", "content": "guess a number"}]
+    answers = {}
+    for policy, adapter in (("hinter", "hinter"), ("guesser", "guesser"), ("judge", "__base__")):
+        reply = client.chat.completions.create(model=policy, messages=prompt, max_tokens=4, temperature=0.0,
+                                               logprobs=True)
+        ids = testing.prompt(backend, "guess a number")
+        with adapters_per_row(backend.actor, adapter):
+            (alone,) = testing.sample(backend, [ids], [SamplingParams(max_tokens=4, temperature=0.0)])
+        assert [t.logprob for t in reply.choices[0].logprobs.content] == pytest.approx(alone.logprobs, abs=1e-5)
+        answers[policy] = reply.choices[0].message.content
+    stream = client.chat.completions.create(model="hinter", messages=prompt, max_tokens=4, temperature=0.0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == answers["hinter"]
+    with pytest.raises(openai.NotFoundError, match="names no policy of this endpoint; the policies are hinter, "
+                                                   "guesser, judge, coach"):
+        client.chat.completions.create(model="gpt-4o", messages=prompt, max_tokens=2)
