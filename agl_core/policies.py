@@ -129,7 +129,7 @@ def route(policies: Collection[str], model: Any, role: str | None) -> str | None
     """
     if not policies:
         return None
-    from agl_core.http_rules import RequestError  # starlette: not imported with the recipe's schema
+    from agl_core.http.rules import RequestError  # starlette: not imported with the recipe's schema
 
     if role is not None:
         if role not in policies:

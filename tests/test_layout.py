@@ -24,7 +24,7 @@ ROOMS: list[tuple[str, list[str], set[str]]] = [
     ("contract", ["agl_core.data", "agl_core.lazy_import", "agl_core.hookspecs", "agl_core.plugins",
                   "agl_core.config", "agl_core.components", "agl_core.context", "agl_core.wiring",
                   "agl_core.timing", "agl_core.stop", "agl_core.batching", "agl_core.balance", "agl_core.metrics",
-                  "agl_core.checkpoint", "agl_core.run_dir"], {"algorithms", "http rules"}),
+                  "agl_core.checkpoint", "agl_core.run_dir", "agl_core.policies", "agl_core.policy_rows"], {"algorithms", "http rules"}),
     ("http serving", ["agl_core.http"], {"http rules", "contract"}),
     ("rollout", ["agl_core.rollout"],
      {"http rules", "contract", "http serving"}),

@@ -8,13 +8,13 @@ import anthropic
 import openai
 import pytest
 
-from agl_core.agents import LLM
 from agl_core.builtin.memory_store import MemoryStore
 from agl_core.config import ConfigError, GatewayConfig, validate_recipe
 from agl_core.data import Task
 from agl_core.gateway import Gateway
 from agl_core.policies import route, selected, training_policies
-from agl_core.store import NewRollout
+from agl_core.rollout.agents import LLM
+from agl_core.rollout.store import NewRollout
 
 POLICIES = ["hinter", "guesser", "judge"]
 MESSAGES = [{"role": "user", "content": "hi"}]

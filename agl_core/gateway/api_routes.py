@@ -54,9 +54,11 @@ class ChatCalls(Protocol):
     token: str | None
     store: Store
 
-    async def call(self, rollout_id: str, attempt_id: str, endpoint: str, body: dict[str, Any]) -> Any: ...
+    async def call(self, rollout_id: str, attempt_id: str, endpoint: str, body: dict[str, Any],
+                   role: str | None = None, *, lease: str | None = None) -> Any: ...
 
-    async def open_stream(self, rollout_id: str, attempt_id: str, endpoint: str, body: dict[str, Any]) -> CallStream: ...
+    async def open_stream(self, rollout_id: str, attempt_id: str, endpoint: str, body: dict[str, Any],
+                          role: str | None = None, *, lease: str | None = None) -> CallStream: ...
 
 
 class TranslatedApis:
@@ -75,16 +77,11 @@ class TranslatedApis:
             stream = anthropic.wants_stream(body)
             chat = anthropic.chat_request(body)
             if stream:
-<<<<<<< HEAD
-                opened = await self.gateway.open_stream(rollout_id, attempt_id, CHAT, streamed(chat), lease=lease)
-                return TranslatedEventStream(opened, anthropic.MessageEvents(body["model"]))
-            answer = await self.gateway.call(rollout_id, attempt_id, CHAT, chat, lease=lease)
-=======
                 opened = await self.gateway.open_stream(rollout_id, attempt_id, CHAT, streamed(chat),
-                                                        request.path_params.get("role"))
+                                                        request.path_params.get("role"), lease=lease)
                 return TranslatedEventStream(opened, anthropic.MessageEvents(body["model"]))
-            answer = await self.gateway.call(rollout_id, attempt_id, CHAT, chat, request.path_params.get("role"))
->>>>>>> wt-multi
+            answer = await self.gateway.call(rollout_id, attempt_id, CHAT, chat, request.path_params.get("role"),
+                                             lease=lease)
         except RequestError as exc:
             raw = getattr(exc, "raw", None)  # a CallFailed: the policy server's own error answer, if it gave one
             message = upstream_error_message(raw, exc.status) if raw is not None else str(exc)
@@ -109,18 +106,12 @@ class TranslatedApis:
                                                                                   responses.answer_message(answer))))
 
             if stream:
-<<<<<<< HEAD
-                opened = await self.gateway.open_stream(rollout_id, attempt_id, CHAT, streamed(chat), lease=lease)
-                events = responses.ResponseEvents(body)
-                return TranslatedEventStream(opened, events, lambda answer: keep(events.id, answer))
-            answer = await self.gateway.call(rollout_id, attempt_id, CHAT, chat, lease=lease)
-=======
                 opened = await self.gateway.open_stream(rollout_id, attempt_id, CHAT, streamed(chat),
-                                                        request.path_params.get("role"))
+                                                        request.path_params.get("role"), lease=lease)
                 events = responses.ResponseEvents(body)
                 return TranslatedEventStream(opened, events, lambda answer: keep(events.id, answer))
-            answer = await self.gateway.call(rollout_id, attempt_id, CHAT, chat, request.path_params.get("role"))
->>>>>>> wt-multi
+            answer = await self.gateway.call(rollout_id, attempt_id, CHAT, chat, request.path_params.get("role"),
+                                             lease=lease)
         except RequestError as exc:
             raw = getattr(exc, "raw", None)  # a CallFailed: the policy server's own error answer, if it gave one
             if raw is not None:  # already in OpenAI's shape
