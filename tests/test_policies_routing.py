@@ -24,7 +24,7 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 def store():
     s = MemoryStore()
     s.enqueue([NewRollout("r1", Task(id="t1", input={}), metadata={"agent_name": "game"})])
-    s.dequeue("w", lease_s=60)
+    s.lease = s.dequeue("w", lease_s=60).lease  # the attempt's lease token, as the runner hands it to the agent
     yield s
     s.close()
 
@@ -40,7 +40,7 @@ def gateway(endpoint, store):
 
 
 def llm(gateway) -> LLM:
-    return LLM(Gateway.base_url(gateway.url, "r1", "1"), "policy", "unused")
+    return LLM(Gateway.base_url(gateway.url, "r1", "1", gateway.store.lease), "policy", "unused")
 
 
 def openai_client(handle: LLM) -> openai.OpenAI:
@@ -112,7 +112,7 @@ def test_a_run_of_one_policy_forwards_model_unchanged(endpoint, store):
     gw = Gateway(store, GatewayConfig(), upstreams=[endpoint.url])
     server = gw.serve()
     try:
-        openai.OpenAI(base_url=Gateway.base_url(server.url, "r1", "1"), api_key="x", max_retries=0) \
+        openai.OpenAI(base_url=Gateway.base_url(server.url, "r1", "1", store.lease), api_key="x", max_retries=0) \
             .chat.completions.create(model="anything", messages=MESSAGES)
     finally:
         server.stop()
