@@ -103,7 +103,8 @@ def make_tokenizer(directory: Path) -> None:
 
 
 def serve_gateway(upstream: str, n_rollouts: int, tokenizer: str) -> None:
-    """Child process: a gateway (exact contexts on when ``tokenizer`` is set) over a memory store; prints its URL."""
+    """Child process: a gateway (exact contexts on when ``tokenizer`` is set) over a memory store; prints the JSON
+    list of its running attempts' base URLs (they carry each attempt's lease token)."""
     from agl_core.builtin.memory_store import MemoryStore
     from agl_core.config import GatewayConfig
     from agl_core.data import Task
@@ -112,13 +113,13 @@ def serve_gateway(upstream: str, n_rollouts: int, tokenizer: str) -> None:
 
     store = MemoryStore()
     store.enqueue([NewRollout(f"r{i}", Task(id="t", input={})) for i in range(n_rollouts)])
-    for _ in range(n_rollouts):
-        store.dequeue("bench", lease_s=3600)
+    attempts = [store.dequeue("bench", lease_s=3600) for _ in range(n_rollouts)]
     config = GatewayConfig(exact_contexts=bool(tokenizer), tokenizer=tokenizer or None)
     server = Gateway(store, config, sampling={"temperature": 1.0, "max_tokens": 16}, upstreams=[upstream]).serve()
     gc.collect()
     gc.freeze()
-    print(server.url, flush=True)
+    print(json.dumps([Gateway.base_url(server.url, a.rollout_id, a.attempt_id, a.lease) for a in attempts]),
+          flush=True)
     sys.stdin.read()
     contexts = [s.attributes.get("context") for e in store._entries.values() for s in e.spans]
     print(json.dumps({"exact": contexts.count("exact"), "rebuilt": contexts.count("rebuilt")}), flush=True)
@@ -140,16 +141,14 @@ async def conversation(session, base: str, turns: int, later: list[float]) -> No
                      {"role": "user", "content": "Tell me more about it."}]
 
 
-async def overhead_phase(urls: dict[str, str], conversations: int, turns: int) -> dict[str, list[float]]:
+async def overhead_phase(urls: dict[str, list[str]], conversations: int, turns: int) -> dict[str, list[float]]:
     import aiohttp
-
-    from agl_core.gateway import Gateway
 
     later: dict[str, list[float]] = {name: [] for name in urls}
     async with aiohttp.ClientSession() as session:
         for i in range(conversations):
             for name in (list(urls) if i % 2 else list(reversed(urls))):  # each mode first every other time
-                await conversation(session, Gateway.base_url(urls[name], f"r{i}", "1"), turns,
+                await conversation(session, urls[name][i], turns,
                                    later[name] if i >= 10 else [])  # the first 10: warm-up
     return later
 
@@ -169,7 +168,7 @@ def overhead_part(args: argparse.Namespace, tmp: Path) -> dict:
             child, url = start_child(__file__, "--serve-gateway", f"{upstream}/v1", str(args.conversations),
                                      tokenizer)
             children.append(child)
-            urls[name] = url
+            urls[name] = json.loads(url)
         later = asyncio.run(overhead_phase(urls, args.conversations, args.turns))
         counts = {}
         for name, child in zip(urls, children):
