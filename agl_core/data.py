@@ -27,7 +27,8 @@ else:  # imported on first use: the records need neither, and every plugin impor
     torch = LazyModule("torch", globals())
     tensordict = LazyModule("tensordict", globals())
 
-__all__ = ["CALL_COLUMNS", "REWARD_FROM_CALL", "REWARD_FROM_ROLLOUT", "Batch", "LogProbs", "Rollout", "Span", "Task",
+__all__ = ["CALL_COLUMNS", "OWN_REWARD_SOURCES", "REWARD_FROM_CALL", "REWARD_FROM_JUDGE", "REWARD_FROM_ROLLOUT",
+           "REWARD_SOURCE_KEY", "Batch", "LogProbs", "Rollout", "Span", "Task",
            "TokenIds", "Triplet"]
 
 # ---------------------------------------------------------------------------- per-call columns
@@ -40,11 +41,17 @@ __all__ = ["CALL_COLUMNS", "REWARD_FROM_CALL", "REWARD_FROM_ROLLOUT", "Batch", "
 #   call_turns           int64   each call's position in its trace (its tokens' turn_ids); -1 on padding
 #   call_rewards         float64 the call's own reward (the reward spans that follow it) when it has one, else its
 #                                rollout's reward; NaN on padding
-#   call_reward_sources  str     where call_rewards comes from: REWARD_FROM_CALL or REWARD_FROM_ROLLOUT; "" on padding
+#   call_reward_sources  str     where call_rewards comes from: REWARD_FROM_CALL (the agent's reward spans),
+#                                REWARD_FROM_JUDGE (a judge's: a reward span whose attributes[REWARD_SOURCE_KEY] is
+#                                REWARD_FROM_JUDGE) or REWARD_FROM_ROLLOUT; "" on padding. The first two are the
+#                                call's own reward (OWN_REWARD_SOURCES)
 #   call_state_keys      object  the state key the agent gave the call (agl_core.emit_state_key), or None
 CALL_COLUMNS = ("call_turns", "call_rewards", "call_reward_sources", "call_state_keys")
 REWARD_FROM_CALL = "call"
+REWARD_FROM_JUDGE = "judge"
 REWARD_FROM_ROLLOUT = "rollout"
+OWN_REWARD_SOURCES = (REWARD_FROM_CALL, REWARD_FROM_JUDGE)
+REWARD_SOURCE_KEY = "reward_source"  # the attribute of a reward span that names who gave it (absent: the agent)
 REWARD_SOURCE_DTYPE = np.dtype("<U7")
 
 

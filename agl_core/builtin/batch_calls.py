@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from agl_core.algorithms.advantages import group_ids
-from agl_core.data import REWARD_FROM_CALL, Batch
+from agl_core.data import OWN_REWARD_SOURCES, Batch
 
 
 
@@ -23,7 +23,7 @@ class BatchCalls:
     """The calls of a batch's rows, one entry each (K calls), as the step-level estimators read them."""
 
     reward: torch.Tensor  # (K,) float64: ``call_rewards`` (the call's own, else its rollout's)
-    own: torch.Tensor  # (K,) bool: the reward is the call's own
+    own: torch.Tensor  # (K,) bool: the reward is the call's own (the agent's or a judge's)
     kl: torch.Tensor  # (K,) float64: the KL penalty in the reward on the call's tokens (0 without one)
     turn: torch.Tensor  # (K,) long: position in the trace
     rollout: torch.Tensor  # (K,) long: dense rollout id
@@ -56,7 +56,7 @@ def batch_calls(batch: Batch) -> BatchCalls:
         row = np.repeat(np.arange(n), valid.sum(1))
         turn = torch.from_numpy(call_turns[valid])
         reward = torch.from_numpy(batch["call_rewards"][valid].astype(np.float64, copy=False))
-        own = torch.from_numpy(batch["call_reward_sources"][valid] == REWARD_FROM_CALL)
+        own = torch.from_numpy(np.isin(batch["call_reward_sources"][valid], OWN_REWARD_SOURCES))
         keys = batch["call_state_keys"][valid]
         turn_ids = batch["turn_ids"]
     else:

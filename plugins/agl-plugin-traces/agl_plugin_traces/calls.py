@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
 
-from agl_core.data import LogProbs, Rollout, TokenIds, Triplet
+from agl_core.data import (REWARD_FROM_CALL, REWARD_FROM_JUDGE, REWARD_FROM_ROLLOUT, REWARD_SOURCE_KEY, LogProbs, Rollout,
+                           TokenIds, Triplet)
 from agl_core.rollout.agents import STATE_KEY
 
 
@@ -30,7 +31,10 @@ class Call:
     sequence id, skipped calls included (a triplet's own ``turn_index``), so it
     names the same call in the trace whatever was skipped before it.
     ``reward`` is the call's own reward, the sum of the reward spans attached
-    to it, or None when the agent emitted none for it. ``state_key`` is the
+    to it, or None when none was emitted for it; ``reward_source`` says who
+    gave it (:data:`~agl_core.data.REWARD_FROM_CALL`: the agent,
+    :data:`~agl_core.data.REWARD_FROM_JUDGE`: a judge, when any of its reward
+    spans is a judge's), None without one. ``state_key`` is the
     state the agent said the call was made in (:func:`agl_core.rollout.agents.emit_state_key`),
     or None.
     """
@@ -44,6 +48,7 @@ class Call:
     state_key: str | None = None
     context: str | None = None  # how the gateway made the prompt (agl_core.gateway.contexts), and why
     context_reason: str | None = None
+    reward_source: str | None = None
 
 
 @dataclass
@@ -100,7 +105,8 @@ def rollout_calls(rollout: Rollout, counts: TraceCounts) -> list[Call]:
     request (``attributes["choice_index"]`` 1, 2, …), which are samples.
     A ``reward`` span rewards the closest preceding ``llm_call`` span; when that
     call was skipped, its reward is counted as unattached. Several rewards of
-    one call add up. An ``annotation`` span with a ``state_key`` attribute
+    one call add up; a reward span whose ``attributes["reward_source"]`` is
+    ``"judge"`` (a judge's, agl-plugin-teachers) marks the call's reward as the judge's. An ``annotation`` span with a ``state_key`` attribute
     (:func:`agl_core.rollout.agents.emit_state_key`) names the state of the next
     ``llm_call`` span (the last such annotation before the call wins); a retry
     keeps the state key of the call it replaces unless it was given its own.
@@ -122,7 +128,8 @@ def rollout_calls(rollout: Rollout, counts: TraceCounts) -> list[Call]:
     if not llm and rollout.triplets:
         counts.kept += len(rollout.triplets)
         return [Call(_token_ids(t.prompt_ids), _token_ids(t.response_ids), _logprobs(t.response_logprobs),
-                     t.turn_index, t.reward, t.metadata.get("agent_name"), state_key_text(t.metadata.get(STATE_KEY)))
+                     t.turn_index, t.reward, t.metadata.get("agent_name"), state_key_text(t.metadata.get(STATE_KEY)),
+                     reward_source=None if t.reward is None else triplet_reward_source(t))
                 for t in rollout.triplets]
     sequence_ids = [s.sequence_id for s in llm]
     # A state key names the state of the next call: the last one given before it (and after the call before it).
@@ -179,6 +186,9 @@ def rollout_calls(rollout: Rollout, counts: TraceCounts) -> list[Call]:
                 counts.rewards_unattached += 1
                 continue
             call.reward = span.reward if call.reward is None else call.reward + span.reward
+            if call.reward_source != REWARD_FROM_JUDGE:
+                judged = span.attributes and span.attributes.get(REWARD_SOURCE_KEY) == REWARD_FROM_JUDGE
+                call.reward_source = REWARD_FROM_JUDGE if judged else REWARD_FROM_CALL
             counts.rewards += 1
 
     kept = [c for c in calls if c is not None]
@@ -189,8 +199,13 @@ def rollout_calls(rollout: Rollout, counts: TraceCounts) -> list[Call]:
 def call_columns(call: Call, rollout_reward: float) -> dict[str, Any]:
     """What the per-call columns keep of ``call`` (:meth:`RowBuilder.add_turn`'s keywords)."""
     own = call.reward is not None
-    return {"turn": call.turn, "call_reward": call.reward if own else rollout_reward, "own_reward": own,
-            "state_key": call.state_key}
+    return {"turn": call.turn, "call_reward": call.reward if own else rollout_reward,
+            "reward_source": call.reward_source if own else REWARD_FROM_ROLLOUT, "state_key": call.state_key}
+
+
+def triplet_reward_source(triplet: Triplet) -> str:
+    """Who gave a triplet's reward: a judge when its metadata says so (:func:`to_triplets`), else the agent."""
+    return REWARD_FROM_JUDGE if triplet.metadata.get(REWARD_SOURCE_KEY) == REWARD_FROM_JUDGE else REWARD_FROM_CALL
 
 
 def state_key_text(key: Any) -> str | None:
@@ -228,8 +243,8 @@ def trainable_rollouts(rollouts: Iterable[Rollout], missing_reward: float | None
 def to_triplets(rollout: Rollout, missing_reward: float | None = 0.0) -> list[Triplet]:
     """The rollout's trainable calls as :class:`~agl_core.data.Triplet` records.
 
-    A triplet's reward is the call's own reward where the agent emitted one
-    (``metadata["reward_source"] == "call"``), else the rollout's reward
+    A triplet's reward is the call's own reward where the agent (or a judge) emitted one
+    (``metadata["reward_source"]`` ``"call"``, or ``"judge"``), else the rollout's reward
     (``"rollout"``); ``metadata["state_key"]`` is the call's state key. The
     triplets hold lists, as :class:`~agl_core.data.Triplet` declares.
     """
@@ -242,6 +257,6 @@ def to_triplets(rollout: Rollout, missing_reward: float | None = 0.0) -> list[Tr
             prompt_ids=call.prompt_ids.tolist(), response_ids=call.response_ids.tolist(),
             response_logprobs=None if call.logprobs is None else call.logprobs.tolist(),
             reward=call.reward if own else final, rollout_id=rollout.rollout_id, turn_index=call.turn,
-            metadata={"agent_name": call.agent_name, "reward_source": "call" if own else "rollout",
+            metadata={"agent_name": call.agent_name, REWARD_SOURCE_KEY: call.reward_source if own else REWARD_FROM_ROLLOUT,
                       STATE_KEY: call.state_key}))
     return triplets

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from agl_core.data import REWARD_FROM_CALL, REWARD_FROM_ROLLOUT, REWARD_SOURCE_DTYPE, Batch, LogProbs, TokenIds
+from agl_core.data import REWARD_FROM_ROLLOUT, REWARD_SOURCE_DTYPE, Batch, LogProbs, TokenIds
 
 from agl_plugin_traces.reservation import Reservation
 
@@ -80,7 +80,7 @@ class RowBuilder:
         # of a prompt), its reward (its own, else its rollout's), where that came from, its state key.
         self.call_turn: list[int] = []
         self.call_reward: list[float] = []
-        self.call_reward_own: list[bool] = []
+        self.call_reward_source: list[str] = []
         self.call_state_key: list[str | None] = []
         # Per row. The prompt: ``prompt_len`` ids of ``prompt_src`` (the packed prompt of the row's first call)
         # from id ``prompt_from``. The response: a window of the row's last call's prompt (``context_prompt``)
@@ -158,15 +158,16 @@ class RowBuilder:
 
     def add_turn(self, observation_length: int, response_length: int, logprobs: LogProbs | None,
                  reward: float | None = None, *, turn: int = -1, call_reward: float = math.nan,
-                 own_reward: bool = False, state_key: str | None = None) -> None:
+                 reward_source: str = REWARD_FROM_ROLLOUT, state_key: str | None = None) -> None:
         """Add one call to the open row: ``observation_length`` context tokens that are new since the previous
         call (response_mask 0), then the call's ``response_length`` tokens (mask 1) with their log-probs
         (None: unknown). ``reward``: a score placed on the call's last kept token (on the row's last
         trainable token when the row had no room left for any of its tokens).
 
         The per-call columns: ``turn``, the call's position in its trace (its tokens' ``turn_ids``; -1 for
-        context that no call produced); ``call_reward``, its own reward when ``own_reward``, else its
-        rollout's; ``state_key``, the state it was made in (None: not given).
+        context that no call produced); ``call_reward``, its own reward, else its rollout's;
+        ``reward_source``, where it comes from (:data:`agl_core.data.CALL_COLUMNS`); ``state_key``, the state
+        it was made in (None: not given).
 
         Only lengths are given: the tokens are read once, from the row's last context, in :meth:`to_batch`.
         """
@@ -177,7 +178,7 @@ class RowBuilder:
         self.logprobs.append(None if logprobs is None else logprobs.packed)
         self.call_turn.append(turn)
         self.call_reward.append(call_reward)
-        self.call_reward_own.append(own_reward)
+        self.call_reward_source.append(reward_source)
         self.call_state_key.append(state_key)
 
     def end(self, prompt_ids: TokenIds, response_ids: TokenIds, uid: str, rollout_id: str, turn_index: int,
@@ -334,8 +335,7 @@ class RowBuilder:
         state_keys = np.full((n, width), None, dtype=object)
         turns[row, column] = turn[calls]
         rewards[row, column] = np.array(self.call_reward, dtype=np.float64)[calls]
-        sources[row, column] = np.where(np.array(self.call_reward_own, dtype=bool)[calls],
-                                        REWARD_FROM_CALL, REWARD_FROM_ROLLOUT)
+        sources[row, column] = np.array(self.call_reward_source, dtype=REWARD_SOURCE_DTYPE)[calls]
         keys = self.call_state_key
         state_keys[row, column] = np.fromiter((keys[i] for i in calls.tolist()), dtype=object, count=len(calls))
         return {"call_turns": turns, "call_rewards": rewards, "call_reward_sources": sources,
