@@ -71,26 +71,59 @@ class DistillConfig(_Section):
                                                       "reward_weight > 0")
 
 
-class JudgeConfig(EndpointConfig):
-    """The section ``plugins.judge``: an LLM judge scoring each rollout's transcript."""
+ROLLOUT_PROMPT = ("You are grading an AI agent's work.\nTask:\n{task}\n\nTranscript:\n{transcript}\n\n"
+                  "Rate how well the agent did, from 0 to 10. End your answer with a line `SCORE: <number>`.")
+TURN_PROMPT = ("You are grading one step of an AI agent's work.\nTask:\n{task}\n\nTranscript up to the step "
+               "(the agent's last message is the step):\n{transcript}\n\nRate how good this step is, from 0 to 10. "
+               "End your answer with a line `SCORE: <number>`.")
 
+
+class JudgeConfig(EndpointConfig):
+    """The section ``plugins.judge``: a judge scoring each rollout's transcript, or each turn's. A ``chat`` judge is
+    a chat model asked with a prompt (an endpoint, or a ``model_path`` the embedded backend serves); a
+    ``reward_model`` is a sequence-classification checkpoint with a value head (``model_path``), run in the
+    trainer's process."""
+
+    kind: Literal["chat", "reward_model"] = Field(
+        "chat", description="chat: a chat model's verdict parsed from its answer; reward_model: the value head of a "
+                            "local sequence-classification model (num_labels 1) at model_path")
+    per: Literal["rollout", "turn"] = Field(
+        "rollout", description="rollout: one score per rollout, into its reward; turn: one score per model call, "
+                               "into that call's own reward (the per-call columns the step-level estimators read)")
+    turn_transcript: Literal["history", "turn"] = Field(
+        "history", description="per turn: the transcript up to and including the turn (history), or the turn alone "
+                               "(what is new in its prompt since the previous call, and its response)")
     model: str = Field("judge", description="the model name sent with each request")
-    prompt: str = Field(
-        "You are grading an AI agent's work.\nTask:\n{task}\n\nTranscript:\n{transcript}\n\n"
-        "Rate how well the agent did, from 0 to 10. End your answer with a line `SCORE: <number>`.",
-        description="the judge's prompt; {task} is the task's input as JSON, {transcript} the rollout's calls")
+    prompt: str | None = Field(None, description="a chat judge's prompt; {task} is the task's input as JSON, "
+                                                 "{transcript} the rollout's (or turn's) transcript, {turn} the "
+                                                 "turn's position in its trace (default: a grading prompt per "
+                                                 "rollout or per turn)")
     verdict_pattern: str = Field(r"SCORE:\s*(-?\d+(?:\.\d+)?)", description="regular expression whose first "
                                  "group is the score; the last match in the answer counts")
-    scale: float = Field(0.1, description="the score is multiplied by this (0-10 -> 0-1)")
+    scale: float | None = Field(None, description="the score is multiplied by this (default: 0.1 for a chat judge, "
+                                                  "0-10 -> 0-1; 1.0 for a reward model)")
     weight: float = Field(1.0, ge=0, description="weight of the judge's score in the reward")
     mode: Literal["replace", "add"] = Field("replace", description="replace the agent's reward with "
                                             "weight * score, or add weight * score to it")
     max_tokens: int = Field(256, ge=1, description="the judge's answer limit")
     temperature: float = Field(0.0, ge=0)
-    transcript_chars: int = Field(20000, ge=100, description="the transcript is cut to its last this many "
-                                                             "characters")
+    transcript_chars: int = Field(20000, ge=100, description="a chat judge's transcript is cut to its last this "
+                                                             "many characters")
+    max_length: int = Field(4096, ge=2, description="a reward model's input is cut to its last this many tokens")
+    rows_per_forward: int = Field(8, ge=1, description="a reward model scores this many transcripts per forward pass")
     tokenizer: str | None = Field(None, description="the tokenizer directory that decodes the rollouts' token ids "
                                                     "into the transcript (default: the policy's, from plugins.torch)")
+
+    @model_validator(mode="after")
+    def _defaults_by_kind(self):
+        if self.kind == "reward_model" and self.model_path is None:
+            raise ValueError("kind: reward_model runs a local sequence-classification checkpoint: set model_path "
+                             "(a reward model behind an endpoint is not supported yet)")
+        if self.prompt is None:
+            self.prompt = TURN_PROMPT if self.per == "turn" else ROLLOUT_PROMPT
+        if self.scale is None:
+            self.scale = 0.1 if self.kind == "chat" else 1.0
+        return self
 
 
 class SftConfig(_Section):
