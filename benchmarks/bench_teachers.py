@@ -19,7 +19,9 @@ For each: steps and seconds to validation reward ``--target`` (0.9), per seed. N
    task) beside the RL runs' validation passes inside training (``timing_s/validate``, median): rollouts per
    second of each. Goal: ratio >= 1.
 
-Prints one JSON line. ``--quick`` runs a tiny version (1 seed, 2 steps) to check that everything works.
+Prints one JSON line. ``--quick`` runs a tiny version (1 seed, 2 steps) to check that everything works;
+``--cost-only`` runs part 4 alone (seconds, no training), on ``--teacher`` or on the default recipe's model made
+from its config (random weights: the cost does not depend on them).
 """
 
 from __future__ import annotations
@@ -100,6 +102,17 @@ def teacher_cost(teacher: Path, repeats: int) -> dict:
             "teacher_endpoint_over_old_log_prob": round(endpoint_s / old, 3)}
 
 
+def default_model(out: Path) -> Path:
+    """The default recipe's model, made from its ``plugins.torch.model`` section (seed 0) into ``out``."""
+    import yaml
+
+    from agl_plugin_torch.modeling import create
+    from agl_plugin_torch.settings import ModelConfig
+
+    section = yaml.safe_load((EXAMPLE / "recipe.yaml").read_text())["plugins"]["torch"]["model"]
+    return create(ModelConfig.model_validate(section), out, seed=0)
+
+
 def eval_throughput(teacher: Path, rl_runs: list[dict], work: Path, n: int) -> dict:
     """Rollouts per second of ``agl eval`` on the validation tasks (``n`` each) and of the RL runs' validation
     passes (every one, the first included: both start cold)."""
@@ -128,7 +141,13 @@ def main() -> None:
     parser.add_argument("--eval-n", type=int, default=8, help="agl eval's rollouts per validation task")
     parser.add_argument("--quick", action="store_true", help="1 seed, 2 steps, 1 SFT step: a check, not figures")
     parser.add_argument("--keep", type=Path, help="work in this directory and keep it (default: a temporary one)")
+    parser.add_argument("--cost-only", action="store_true", help="part 4 alone: the teacher stage's cost")
     args = parser.parse_args()
+    if args.cost_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            teacher = args.teacher or default_model(Path(tmp) / "teacher")
+            print(json.dumps({"bench": "teachers", "teacher_cost": teacher_cost(teacher, args.repeats)}))
+        return
     if args.quick:
         args.seeds, args.max_steps, args.test_freq, args.sft_steps, args.repeats = [args.seeds[0]], 2, 1, 1, 1
     work = args.keep or Path(tempfile.mkdtemp(prefix="bench-teachers-"))

@@ -50,7 +50,7 @@ class TeacherConfig(EndpointConfig):
     """The teacher of on-policy distillation: it scores the student's sampled tokens. A ``model_path`` teacher is
     loaded into the trainer's process (by agl-plugin-torch) and scored there; an endpoint over HTTP."""
 
-    rows_per_request: int = Field(16, ge=1, description="sequences scored by one request (a list of token-id "
+    rows_per_request: int = Field(64, ge=1, description="sequences scored by one request (a list of token-id "
                                                         "prompts); a model_path teacher: by one forward pass")
     tokenizer: str | None = Field(None, description="an endpoint teacher's tokenizer directory, compared with "
                                                     "the student's at start-up (a model_path teacher's own is "

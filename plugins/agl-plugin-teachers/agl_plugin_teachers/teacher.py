@@ -6,7 +6,12 @@ teacher (:class:`TeacherScorer`): each row's real tokens (prompt + response,
 as the student saw and sampled them) go as a completions ``prompt`` of token ids with ``prompt_logprobs: 0``
 (vLLM's extension; the embedded backend answers it too), ``rows_per_request``
 rows per request and ``concurrency`` requests at once, each retried by the
-openai client. The answer's log-probs of the response positions become the
+openai client. The requests also ask ``packed_prompt_logprobs`` (the embedded
+backend's extension: each row's log-probs as the base64 text of its float32
+values, no JSON object per token); a server that ignores it (vLLM) answers
+vLLM's per-token dictionaries, read as well. The first batch of a scorer
+that checks the student's tokenizer asks the dictionaries (they hold each
+token's text). The answer's log-probs of the response positions become the
 column ``teacher_log_probs`` (``(rows, response_length)``, 0 past a row's
 response). Any failure — an error after the retries, an answer with other
 token ids or too few log-probs, a token the teacher decodes unlike the
@@ -15,12 +20,15 @@ student (another tokenizer) — raises :class:`TeacherError` naming the teacher.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import time
-from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from agl_plugin_teachers.endpoints import Served
@@ -59,23 +67,27 @@ class TeacherScorer:
         start = time.perf_counter()
         chunks = [sequences[i:i + self.rows_per_request] for i in range(0, len(sequences), self.rows_per_request)]
         out = torch.zeros((len(sequences), width), dtype=torch.float32)
+        packed = self.checked_decoding  # until the tokenizer is checked, the per-token answers (with the texts)
         row = 0
-        for chunk, answer in zip(chunks, self.pool.map(self._request, chunks)):
+        for chunk, answer in zip(chunks, self.pool.map(lambda chunk: self._request(chunk, packed), chunks)):
             for (ids, n_response), choice in zip(chunk, answer):
-                out[row, :n_response] = torch.tensor(self._response_logprobs(choice, ids, n_response, row))
+                if "packed_prompt_logprobs" in choice:
+                    out[row, :n_response] = torch.from_numpy(self._packed_logprobs(choice, ids, n_response, row))
+                else:
+                    out[row, :n_response] = torch.tensor(self._response_logprobs(choice, ids, n_response, row))
                 row += 1
         tokens = sum(n for _, n in sequences)
         return out, {"teacher/requests": float(len(chunks)), "teacher/tokens": float(tokens),
                      "timing_s/teacher": time.perf_counter() - start}
 
-    def _request(self, chunk: list[tuple[list[int], int]]) -> list[dict[str, Any]]:
+    def _request(self, chunk: list[tuple[list[int], int]], packed: bool) -> list[dict[str, Any]]:
         served = self.served
         try:
             # The raw answer's JSON, not the client's typed objects: a row's log-probs are a dict per token, and
             # building pydantic models of them cost more than the teacher's forward pass.
             raw = served.client.completions.with_raw_response.create(
                 model=served.config.model, prompt=[ids for ids, _ in chunk], max_tokens=1, temperature=0.0,
-                extra_body={"prompt_logprobs": 0})
+                extra_body={"prompt_logprobs": 0, **({"packed_prompt_logprobs": True} if packed else {})})
             choices = json.loads(raw.http_response.content).get("choices")
         except Exception as exc:  # noqa: BLE001 - the step fails naming the teacher
             raise TeacherError(f"the {served.name()} failed to score {len(chunk)} rows (after "
@@ -85,6 +97,17 @@ class TeacherScorer:
             got = len(choices) if isinstance(choices, list) else type(choices).__name__
             raise TeacherError(f"the {served.name()} answered {got} choices for {len(chunk)} prompts")
         return sorted(choices, key=lambda c: c.get("index", 0))
+
+    def _packed_logprobs(self, choice: dict[str, Any], ids: list[int], n_response: int, row: int) -> np.ndarray:
+        try:
+            values = np.frombuffer(base64.b64decode(choice["packed_prompt_logprobs"], validate=True), dtype="<f4")
+        except (binascii.Error, TypeError, ValueError) as exc:
+            raise TeacherError(f"the {self.served.name()} answered row {row} with packed log-probs that are not "
+                               f"base64 float32: {exc}") from exc
+        if len(values) != len(ids) - 1:
+            raise TeacherError(f"the {self.served.name()} answered row {row} with {len(values)} packed log-probs "
+                               f"for {len(ids)} tokens (one per token after the first)")
+        return values[len(values) - n_response:].astype(np.float32)
 
     def _response_logprobs(self, choice: dict[str, Any], ids: list[int], n_response: int, row: int) -> list[float]:
         name = self.served.name()

@@ -3,8 +3,10 @@ the test endpoint for failures), the estimator on hand-computed cases."""
 
 from __future__ import annotations
 
+import base64
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,14 +29,16 @@ def test_a_served_checkpoint_scores_exactly_the_log_probs_the_trainer_computes(b
     token equals the trainer's old log-prob of it (same model, same token ids)."""
     batch = sampled_rows(backend, n=10, max_tokens=6)
     teacher = scorer({"model_path": str(checkpoint), "concurrency": 3}, backend.tokenizer)
+    mask = batch["response_mask"].bool()
     try:
-        log_probs, metrics = teacher.score(row_sequences(batch), batch["responses"].shape[1])
+        # The first batch is answered per token (its texts check the tokenizer), the next ones packed.
+        for answer in ("per token", "packed"):
+            log_probs, metrics = teacher.score(row_sequences(batch), batch["responses"].shape[1])
+            assert torch.allclose(log_probs[mask], batch["old_log_probs"][mask], atol=1e-5), answer
+            assert (log_probs[~mask] == 0).all()
+            assert metrics["teacher/requests"] == 3 and metrics["teacher/tokens"] == mask.sum()
     finally:
         teacher.close()
-    mask = batch["response_mask"].bool()
-    assert torch.allclose(log_probs[mask], batch["old_log_probs"][mask], atol=1e-5)
-    assert (log_probs[~mask] == 0).all()
-    assert metrics["teacher/requests"] == 3 and metrics["teacher/tokens"] == mask.sum()
 
 
 def test_a_local_teacher_scores_in_process_exactly_the_log_probs_the_trainer_computes(backend, checkpoint):
@@ -88,7 +92,7 @@ def test_a_teacher_slower_than_its_time_limit_fails_the_step(endpoint):
 def test_a_teacher_that_does_not_score_given_tokens_is_refused(endpoint):
     """An endpoint that ignores prompt_logprobs (an API model) answers without them: a clear error."""
     teacher = scorer({"endpoint": endpoint.url})
-    teacher._request = lambda chunk: [{"index": 0, "text": "hello"}]  # what a server without the extension answers
+    teacher._request = lambda chunk, packed: [{"index": 0, "text": "hello"}]  # what a server without the extension answers
     try:
         with pytest.raises(TeacherError, match="does not score given tokens"):
             teacher.score([([5, 6, 7], 1)], 1)
@@ -147,5 +151,20 @@ def test_the_embedded_endpoints_scoring_route_checks_its_requests(checkpoint):
         entry = first["prompt_logprobs"][1]
         assert "6" in entry and 1 <= entry["6"]["rank"] and len(entry) <= 3  # the token and 2 alternatives
         assert reply["usage"] == {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}
+        # Packed: the same log-probs, as base64 float32, one per token after the first.
+        for body, field in (({"prompt": [5, 6], "prompt_logprobs": 1, "packed_prompt_logprobs": True},
+                             "'prompt_logprobs': 0"),
+                            ({"prompt": [5, 6], "prompt_logprobs": 0, "packed_prompt_logprobs": "yes"},
+                             "'packed_prompt_logprobs'")):
+            reply = httpx.post(url, json=body, timeout=30)
+            assert reply.status_code == 400 and field in reply.json()["error"]["message"], (body, reply.text)
+        prompts = [[5, 6, 7], [8, 9]]
+        per_token = httpx.post(url, json={"prompt": prompts, "prompt_logprobs": 0}, timeout=30).json()["choices"]
+        packed = httpx.post(url, json={"prompt": prompts, "prompt_logprobs": 0, "packed_prompt_logprobs": True},
+                            timeout=30).json()["choices"]
+        for ids, dicts, choice in zip(prompts, per_token, packed):
+            values = np.frombuffer(base64.b64decode(choice["packed_prompt_logprobs"]), dtype="<f4")
+            expected = [dicts["prompt_logprobs"][p][str(ids[p])]["logprob"] for p in range(1, len(ids))]
+            assert values.tolist() == pytest.approx(expected, abs=1e-6) and "prompt_logprobs" not in choice
     finally:
         served.close()

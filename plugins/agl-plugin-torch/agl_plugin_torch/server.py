@@ -16,7 +16,10 @@ extension) is answered without generating: per prompt (``prompt`` may be a
 list of token-id lists, one choice each) its ``prompt_logprobs``, the
 log-prob, rank and ``k`` alternatives of every token after the first
 (:mod:`agl_plugin_torch.scoring`). A teacher of on-policy distillation asks
-this of the student's samples.
+this of the student's samples. With ``packed_prompt_logprobs: true`` (and
+``prompt_logprobs: 0``) each choice carries the given tokens' log-probs packed
+(``packed_prompt_logprobs``: base64 of little-endian float32, one per token
+after the first) in place of ``prompt_logprobs`` and ``prompt_token_ids``.
 
 Sampling parameters: ``max_tokens`` / ``max_completion_tokens``,
 ``temperature`` (0: greedy), ``top_p``, ``top_k``, ``stop``,
@@ -74,7 +77,7 @@ from agl_core.http.server import ServerThread
 from agl_plugin_torch.engine import Engine, Generated
 from agl_plugin_torch.policies import adapter_of, policy_adapters
 from agl_plugin_torch.sampling import SamplingParams
-from agl_plugin_torch.scoring import prompt_logprobs, prompt_logprobs_field
+from agl_plugin_torch.scoring import pack_logprobs, prompt_logprobs, prompt_logprobs_field, token_logprobs
 from agl_plugin_torch.settings import ServingConfig
 from agl_plugin_torch.streaming import TokenStream, logprob_entry
 
@@ -224,19 +227,32 @@ class PolicyServer:
             if len(ids) > self.context_length:
                 raise RequestError(400, f"'{where}' has {len(ids)} tokens; the model's context is "
                                         f"{self.context_length} tokens")
+        packed = body.get("packed_prompt_logprobs", False)
+        if not isinstance(packed, bool):
+            raise RequestError(400, f"'packed_prompt_logprobs' must be true or false, got {packed!r}")
+        if packed and top_k:
+            raise RequestError(400, "'packed_prompt_logprobs' holds the given tokens' log-probs only: ask it with "
+                                    "'prompt_logprobs': 0")
         engine = self.engine
 
         def score() -> tuple[list, int]:
             with engine.lock:
+                if packed:
+                    return token_logprobs(engine.model, checked, self.tokenizer.pad_token_id), engine.weight_version()
                 return (prompt_logprobs(engine.model, checked, top_k, self.tokenizer.pad_token_id),
                         engine.weight_version())
         try:
             scored, version = await asyncio.to_thread(score)
         except Exception as exc:  # noqa: BLE001 - reported to the client
             return error_response(500, f"scoring failed: {exc!r}")
-        choices = [{"index": i, "text": "", "finish_reason": "length", "logprobs": None, "token_ids": [],
-                    "prompt_token_ids": ids, "prompt_logprobs": prompt_logprobs_field(rows, ids, self._token_text)}
-                   for i, (ids, rows) in enumerate(zip(checked, scored))]
+        empty = {"text": "", "finish_reason": "length", "logprobs": None, "token_ids": []}
+        if packed:
+            choices = [{"index": i, **empty, "packed_prompt_logprobs": pack_logprobs(values)}
+                       for i, values in enumerate(scored)]
+        else:
+            choices = [{"index": i, **empty, "prompt_token_ids": ids,
+                        "prompt_logprobs": prompt_logprobs_field(rows, ids, self._token_text)}
+                       for i, (ids, rows) in enumerate(zip(checked, scored))]
         n_tokens = sum(len(ids) for ids in checked)
         return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", **self._envelope(body),
                              "choices": choices, "weight_version": version,
