@@ -14,7 +14,8 @@ For each: steps and seconds to validation reward ``--target`` (0.9), per seed. N
    and responses of 48 tokens, random ids), embedded backend: the teacher stage of a ``model_path`` teacher
    (``LocalTeacher``, in the trainer's process) beside the ``old_log_prob`` stage's forward (log-probs and
    entropy, the student's backend) on the same rows, and the same teacher as an endpoint over HTTP
-   (``TeacherScorer``, the embedded endpoint's scoring route); medians of ``--repeats``. Goal: ratio <= 1.
+   (``TeacherScorer``, the embedded endpoint's scoring route, packed log-probs); medians of ``--repeats``, in
+   wall-clock seconds and (``cpu_…``) CPU seconds of the process. Goal: ratio <= 1.
 5. **``agl eval`` throughput** on the validation tasks (the teacher as ``--checkpoint``, ``--eval-n`` rollouts a
    task) beside the RL runs' validation passes inside training (``timing_s/validate``, median): rollouts per
    second of each. Goal: ratio >= 1.
@@ -86,20 +87,27 @@ def teacher_cost(teacher: Path, repeats: int) -> dict:
         local = LocalTeacher(config, 64)  # forward_micro_batch_size's default: what old_log_prob uses
         endpoint = TeacherScorer(Served(config, "teacher"), 64)
         timings = {"old_log_prob": [], "local": [], "endpoint": []}
+        cpu = {name: [] for name in timings}
         stages = {"old_log_prob": lambda: backend.logprobs(backend.actor, batch, with_entropy=True),
                   "local": lambda: local.score_batch(batch), "endpoint": lambda: endpoint.score_batch(batch)}
         try:
             for _ in range(repeats + 1):  # the first of each is a warm-up
                 for name, stage in stages.items():
-                    start = time.perf_counter()
+                    start, start_cpu = time.perf_counter(), time.process_time()
                     stage()
                     timings[name].append(time.perf_counter() - start)
+                    cpu[name].append(time.process_time() - start_cpu)
         finally:
             endpoint.close()
     old, local_s, endpoint_s = (statistics.median(timings[k][1:]) for k in ("old_log_prob", "local", "endpoint"))
+    old_cpu, local_cpu, endpoint_cpu = (statistics.median(cpu[k][1:]) for k in ("old_log_prob", "local", "endpoint"))
+    # CPU seconds of the whole process (the in-process endpoint's threads included): steadier than wall-clock
+    # seconds on a machine other work shares.
     return {"rows": 168, "old_log_prob_s": round(old, 4), "teacher_s": round(local_s, 4),
             "teacher_over_old_log_prob": round(local_s / old, 3), "teacher_endpoint_s": round(endpoint_s, 4),
-            "teacher_endpoint_over_old_log_prob": round(endpoint_s / old, 3)}
+            "teacher_endpoint_over_old_log_prob": round(endpoint_s / old, 3),
+            "cpu_teacher_over_old_log_prob": round(local_cpu / old_cpu, 3),
+            "cpu_teacher_endpoint_over_old_log_prob": round(endpoint_cpu / old_cpu, 3)}
 
 
 def default_model(out: Path) -> Path:
