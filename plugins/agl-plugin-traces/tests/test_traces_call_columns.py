@@ -89,3 +89,19 @@ def test_state_keys_name_the_next_call_and_survive_retries_and_failures():
                                         span(1, "llm_call", prompt_token_ids=[1], response_token_ids=[2])]),
                                TraceCounts())
     assert structured[0].state_key == '{"a":[2],"b":1}'  # canonical JSON text
+
+
+def test_a_judges_reward_span_marks_its_calls_reward_as_the_judges():
+    """A reward span with ``attributes["reward_source"] == "judge"`` (agl-plugin-teachers' per-turn judge): the call's
+    own reward, with source "judge" in the columns and in the triplets; beside an agent's span, the sum, still
+    marked the judge's."""
+    spans = SPANS[:3] + [span(3, "llm_call", prompt_token_ids=[1, 2, 3], response_token_ids=[4, 5]),
+                         span(3, "reward", reward=0.25, attributes={"reward_source": "judge"}),
+                         span(5, "llm_call", prompt_token_ids=[1, 2, 3, 4, 5, 9], response_token_ids=[6]),
+                         span(6, "reward", reward=0.5, attributes={"reward_source": "judge"}),
+                         span(7, "reward", reward=0.25)]
+    for batch in (trajectory_batch([rollout(spans)], 2, 8)[0], transition_batch([rollout(spans)], 8, 4)[0]):
+        sources = batch["call_reward_sources"][batch["call_turns"] >= 0].tolist()
+        rewards = batch["call_rewards"][batch["call_turns"] >= 0].tolist()
+        assert sources == ["call", "judge", "judge"] and rewards == [0.5, 0.25, 0.75]
+    assert [t.metadata["reward_source"] for t in to_triplets(rollout(spans))] == ["call", "judge", "judge"]
