@@ -105,11 +105,17 @@ def test_a_reward_model_that_fails_marks_the_rollouts(reward_model, backend):
     assert "reward model at model_path=" in judged[0].error and judged[0].final_reward == 1.0
 
 
-def test_settings_name_what_a_reward_model_needs(reward_model):
+def test_settings_name_what_a_reward_model_needs(tmp_path, reward_model, backend):
     with pytest.raises(ValueError, match="kind: reward_model runs a local sequence-classification checkpoint"):
         JudgeConfig(kind="reward_model", endpoint="http://127.0.0.1:1/v1")
     assert JudgeConfig(kind="reward_model", model_path=str(reward_model)).scale == 1.0
     assert JudgeConfig(endpoint="http://127.0.0.1:1/v1").scale == 0.1
+    two_labels = AutoModelForSequenceClassification.from_pretrained(reward_model, num_labels=2,
+                                                                    ignore_mismatched_sizes=True)
+    two_labels.save_pretrained(tmp_path / "classifier")
+    backend.tokenizer.save_pretrained(tmp_path / "classifier")
+    with pytest.raises(ValueError, match="has a head of 2 labels; a reward model gives one value"):
+        RewardModel(JudgeConfig(kind="reward_model", model_path=str(tmp_path / "classifier")), backend.tokenizer)
 
 
 def test_a_run_scored_by_a_reward_model(tmp_path, reward_model):
