@@ -100,6 +100,25 @@ def test_a_teacher_that_does_not_score_given_tokens_is_refused(endpoint):
         teacher.close()
 
 
+def test_packed_log_probs_that_do_not_fit_the_row_fail_the_step(endpoint):
+    """A packed answer (the embedded endpoint's extension) that is not base64 float32, or holds a log-prob count
+    other than one per token after the first: a clear error naming the teacher and the row."""
+    teacher = scorer({"endpoint": endpoint.url, "model": "big-teacher"})
+    good = base64.b64encode(np.array([-0.5, -0.25], dtype="<f4").tobytes()).decode()
+    try:
+        teacher._request = lambda chunk, packed: [{"index": 0, "packed_prompt_logprobs": good}]
+        log_probs, _ = teacher.score([([5, 6, 7], 1)], 1)
+        assert log_probs.tolist() == [[-0.25]]  # the last token's: one per token after the first
+        for answer, message in (("not base64!", "not base64 float32"), (good[:-4], "not base64 float32"),
+                                (base64.b64encode(np.zeros(5, dtype="<f4").tobytes()).decode(),
+                                 "row 0 with 5 packed log-probs for 3 tokens")):
+            teacher._request = lambda chunk, packed, answer=answer: [{"index": 0, "packed_prompt_logprobs": answer}]
+            with pytest.raises(TeacherError, match=f"teacher 'big-teacher'.*{message}"):
+                teacher.score([([5, 6, 7], 1)], 1)
+    finally:
+        teacher.close()
+
+
 def test_a_teacher_with_another_tokenizer_is_refused(tmp_path, endpoint, backend):
     """At start-up by vocabulary hash; at run time (an endpoint with no tokenizer given) by how it decodes ids."""
     other = create(TorchConfig.model_validate(tiny_section(model={"build": {"vocabulary": VOCABULARY[::-1],
