@@ -179,40 +179,49 @@ class Judge:
 
     def _turns(self, rollout, calls: list, verdicts: dict[int, Verdict]):
         """The rollout with a judge's reward span on each judged call (in place of the call's reward spans), the
-        reason as the ``error`` of each call the judge failed on, and the rollout's reward from the judged calls."""
+        reason as the ``error`` of each call the judge failed on, and the rollout's reward from the judged calls.
+        A rollout of triplets (no ``llm_call`` spans): the judged reward on each judged triplet, marked the
+        judge's, and the others left out."""
         scored = [c for c in calls if verdicts[c.turn].score is not None]
         if not scored:
             if not calls:
                 return rollout
             reasons = "; ".join(f"turn {c.turn}: {verdicts[c.turn].reason}" for c in calls)
             return rollout.model_copy(update={"status": "failed", "error": f"judge: no turn judged ({reasons})"})
+        add = self.config.mode == "add"
+        has_own = any(c.reward is not None for c in calls)
+        rewards = {}  # turn -> the call's reward now
+        for call in scored:
+            rewards[call.turn] = self._judged(verdicts[call.turn])
+            if add:  # what the step-level estimators would have taken as the call's reward
+                rewards[call.turn] += (call.reward or 0.0) if has_own else \
+                    (rollout.final_reward or 0.0) if call is scored[-1] else 0.0
+        total = sum(self._judged(verdicts[call.turn]) for call in scored)
+        reward = (rollout.final_reward or 0.0) + total if add else total
+
+        def marks(turn: int) -> dict[str, Any]:
+            return {REWARD_SOURCE_KEY: REWARD_FROM_JUDGE, "judge_score": verdicts[turn].score}
+
         llm = sorted((s for s in rollout.spans if s.kind == "llm_call"), key=lambda s: s.sequence_id)
+        if not llm:
+            triplets = [t.model_copy(update={"reward": rewards[t.turn_index],
+                                             "metadata": {**t.metadata, **marks(t.turn_index)}})
+                        for t in rollout.triplets if t.turn_index in rewards]
+            return rollout.model_copy(update={"triplets": triplets, "final_reward": reward})
         turn_of = {id(span): turn for turn, span in enumerate(llm)}
         sequence_ids = [s.sequence_id for s in llm]
-        judged_turns = {c.turn for c in scored}
         spans = []
         for span in rollout.spans:
-            if span.kind == "reward" and bisect.bisect_right(sequence_ids, span.sequence_id) - 1 in judged_turns:
+            if span.kind == "reward" and bisect.bisect_right(sequence_ids, span.sequence_id) - 1 in rewards:
                 continue  # the call's reward is the judged one now (which, with mode add, counts it)
             verdict = verdicts.get(turn_of.get(id(span), -1))
             if verdict is not None and verdict.score is None:
                 span = span.model_copy(update={"attributes": {**span.attributes, "error": f"judge: {verdict.reason}"}})
             spans.append(span)
-        add = self.config.mode == "add"
-        has_own = any(c.reward is not None for c in calls)
-        total = 0.0
-        for call in scored:
-            judged = self._judged(verdicts[call.turn])
-            total += judged
-            if add:  # what the step-level estimators would have taken as the call's reward
-                judged += (call.reward or 0.0) if has_own else \
-                    (rollout.final_reward or 0.0) if call is scored[-1] else 0.0
-            span = llm[call.turn]
-            spans.append(Span(rollout_id=span.rollout_id, attempt_id=span.attempt_id, sequence_id=span.sequence_id,
-                              kind="reward", reward=judged,
-                              attributes={REWARD_SOURCE_KEY: REWARD_FROM_JUDGE,
-                                          "judge_score": verdicts[call.turn].score}))
-        reward = (rollout.final_reward or 0.0) + total if add else total
+        for turn, value in rewards.items():
+            call = llm[turn]
+            spans.append(Span(rollout_id=call.rollout_id, attempt_id=call.attempt_id, sequence_id=call.sequence_id,
+                              kind="reward", reward=value, attributes=marks(turn)))
         return rollout.model_copy(update={"spans": spans, "final_reward": reward})
 
 

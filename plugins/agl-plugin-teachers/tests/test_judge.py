@@ -11,7 +11,7 @@ import re
 import pytest
 
 from agl_core.builtin.batch_calls import batch_calls
-from agl_core.data import Rollout, Span
+from agl_core.data import Rollout, Span, Triplet
 from agl_core.testing.endpoint import ByteTokenizer
 from agl_plugin_teachers.judge import Judge, build_judge
 from agl_plugin_teachers.settings import JudgeConfig
@@ -191,6 +191,25 @@ def test_a_turn_without_verdict_is_marked_and_not_trained_on(endpoint):
     assert batch["call_rewards"].tolist() == [pytest.approx([0.2, 0.9])]
     turn_ids = batch["turn_ids"][0]
     assert set(turn_ids.tolist()) == {-1, 0, 2}
+
+
+def test_a_rollout_of_triplets_is_judged_per_triplet(endpoint):
+    """A rollout that carries triplets and no llm_call spans: each judged triplet gets the judged reward, marked the
+    judge's; one without a verdict is left out."""
+    tok = ByteTokenizer()
+    triplets = [Triplet(prompt_ids=tok.encode(f"go {t} "), response_ids=tok.encode(answer), rollout_id="a",
+                        turn_index=t) for t, answer in enumerate(["SCORE: 3", "nothing", "SCORE: 8"])]
+    rollout = Rollout(rollout_id="a", task_id="t", status="succeeded", final_reward=1.0, triplets=triplets)
+    j = judge(endpoint, per="turn")
+    try:
+        [judged], metrics = j.judge([rollout], {})
+    finally:
+        j.close()
+    assert metrics["judge/n_scored"] == 2 and metrics["judge/n_garbage"] == 1
+    assert [(t.turn_index, t.reward, t.metadata["reward_source"]) for t in judged.triplets] == [
+        (0, pytest.approx(0.3), "judge"), (2, pytest.approx(0.8), "judge")]
+    batch, _ = rows([judged])
+    assert batch["call_reward_sources"][batch["call_turns"] >= 0].tolist() == ["judge", "judge"]
 
 
 def test_a_failing_judge_marks_every_turn(endpoint):
