@@ -92,7 +92,8 @@ def test_a_teacher_slower_than_its_time_limit_fails_the_step(endpoint):
 def test_a_teacher_that_does_not_score_given_tokens_is_refused(endpoint):
     """An endpoint that ignores prompt_logprobs (an API model) answers without them: a clear error."""
     teacher = scorer({"endpoint": endpoint.url})
-    teacher._request = lambda chunk, packed: [{"index": 0, "text": "hello"}]  # what a server without the extension answers
+    # What a server without the extension answers:
+    teacher._request = lambda chunk, packed: [{"index": 0, "text": "hello"}]
     try:
         with pytest.raises(TeacherError, match="does not score given tokens"):
             teacher.score([([5, 6, 7], 1)], 1)

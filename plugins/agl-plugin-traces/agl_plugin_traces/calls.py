@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
 
-from agl_core.data import (REWARD_FROM_CALL, REWARD_FROM_JUDGE, REWARD_FROM_ROLLOUT, REWARD_SOURCE_KEY, LogProbs, Rollout,
-                           TokenIds, Triplet)
+from agl_core.data import (REWARD_FROM_CALL, REWARD_FROM_JUDGE, REWARD_FROM_ROLLOUT, REWARD_SOURCE_KEY, LogProbs,
+                           Rollout, TokenIds, Triplet)
 from agl_core.rollout.agents import STATE_KEY
 
 
@@ -106,7 +106,8 @@ def rollout_calls(rollout: Rollout, counts: TraceCounts) -> list[Call]:
     A ``reward`` span rewards the closest preceding ``llm_call`` span; when that
     call was skipped, its reward is counted as unattached. Several rewards of
     one call add up; a reward span whose ``attributes["reward_source"]`` is
-    ``"judge"`` (a judge's, agl-plugin-teachers) marks the call's reward as the judge's. An ``annotation`` span with a ``state_key`` attribute
+    ``"judge"`` (a judge's, agl-plugin-teachers) marks the call's reward as
+    the judge's. An ``annotation`` span with a ``state_key`` attribute
     (:func:`agl_core.rollout.agents.emit_state_key`) names the state of the next
     ``llm_call`` span (the last such annotation before the call wins); a retry
     keeps the state key of the call it replaces unless it was given its own.
