@@ -282,6 +282,42 @@ def test_a_closed_client_says_so(serve):
             call()
 
 
+class _CountedWrites:
+    """A socket that counts the writes made on it (and does them)."""
+
+    def __init__(self, sock):
+        self.sock, self.writes = sock, []
+
+    def sendall(self, data, *args):
+        self.writes.append(bytes(data))
+        return self.sock.sendall(data, *args)
+
+    def send(self, data, *args):
+        self.writes.append(bytes(data))
+        return self.sock.send(data, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
+def test_each_request_leaves_in_one_write_head_and_body(serve, client):
+    """http.client writes a request's head and body apart (two packets with TCP_NODELAY: two wake-ups of the
+    service); the client sends them in one write, each request on its kept-alive connection."""
+    url, backing = serve()
+    store = client(url)
+    store.enqueue([new("a")])  # opens this thread's connection
+    conn = store._local.conn
+    counted = conn.sock = _CountedWrites(conn.sock)
+    attempt = store.dequeue("w", 30)
+    assert store.heartbeat("a", attempt.attempt_id, 30, lease=attempt.lease)
+    assert len(counted.writes) == 2
+    for write, method in zip(counted.writes, ("dequeue", "heartbeat")):
+        head, _, body = write.partition(b"\r\n\r\n")
+        assert head.startswith(f"POST /v1/store/{method} HTTP/1.1".encode())
+        assert json.loads(body)["worker_id" if method == "dequeue" else "lease"]
+    assert backing.get_rollouts(["a"])[0].status == "running"
+
+
 def self_signed_certificate(directory):
     """A certificate for 127.0.0.1 and its key, written as PEM files in ``directory``: (certfile, keyfile)."""
     import datetime
