@@ -139,14 +139,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             if self._header_bytes > self.limits.max_header_bytes:
                 self._refuse(431, f"the request's header section exceeds {self.limits.max_header_bytes} bytes")
                 return
+            if self._header_timer is None:  # armed only for a header section that spans reads: most arrive whole
+                self._arm_header_timer()
 
     # ------------------------------------------------------------ httptools' calls
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_headers, self._between, self._header_bytes, self._headers_began_before = True, False, 0, False
-        if self._header_timer is None:
-            self._arm_header_timer()
 
     def on_headers_complete(self) -> None:
         parsed = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)

@@ -322,13 +322,14 @@ class HttpStore:
         """Send the spans of ``items`` (the uploader's thread), in requests of about ``batch_bytes`` each, retried
         until acknowledged: the service answers once they are in its file. A refusal (409, 400) is raised: the
         uploader then sends the spans one by one, so that only those refused are lost."""
-        part, size = [], 0
+        part, dumped, size = [], [], 0
         for index, item in enumerate(items):
             part.append(item)
-            size += len(item[0].model_dump_json())
+            dumped.append(item[0].model_dump_json().encode())
+            size += len(dumped[-1])
             if size >= self._batch_bytes or index == len(items) - 1:
-                self._call("add_spans", b"{" + _spans_fields(part) + b"}")
-                part, size = [], 0
+                self._call("add_spans", b"{" + _spans_fields(part, dumped) + b"}")
+                part, dumped, size = [], [], 0
 
     def _spans_lost(self, items: list[tuple[Span, str | None]], error: BaseException) -> None:
         """Spans the service did not take: each attempt they belong to ends failed (logged), if it still runs."""
@@ -419,11 +420,12 @@ class _NotCarried(Exception):
     """An ``admit`` the service refused with spans riding on it: asked again without them."""
 
 
-def _spans_fields(items: list[tuple[Span, str | None]]) -> bytes:
+def _spans_fields(items: list[tuple[Span, str | None]], dumped: list[bytes] | None = None) -> bytes:
     """``"spans": [...], "leases": [...]``: the fields of a span upload (each span as ``model_dump_json`` writes
-    it, and the lease token of each attempt they belong to)."""
+    it, or as ``dumped`` holds it so, and the lease token of each attempt they belong to)."""
     leases = {(span.rollout_id, span.attempt_id): lease for span, lease in items}
-    return (b'"spans":[' + b",".join(span.model_dump_json().encode() for span, _ in items) + b'],"leases":'
+    spans = dumped if dumped is not None else [span.model_dump_json().encode() for span, _ in items]
+    return (b'"spans":[' + b",".join(spans) + b'],"leases":'
             + json.dumps([{"rollout_id": r, "attempt_id": a, "lease": lease}
                           for (r, a), lease in leases.items()]).encode())
 
