@@ -29,13 +29,15 @@ by URL: ``HttpStore("http://10.0.0.5:8765", token=...)``, or the recipe's
   queues them with their attempts' lease tokens (bounded: it blocks when
   ``max_pending`` wait) and returns; a background thread uploads them in
   batches and retries a batch until the service acknowledges it, which it
-  does once they are in its SQLite file. An ``admit`` takes the spans
-  waiting at that moment along (one request less per call when a gateway's
-  calls follow each other); refused, it gives them back to the uploader and
-  is asked again without them. ``flush()`` returns once every span
-  added before it is acknowledged; ``finish``, ``get_rollouts`` and
-  ``release`` flush first, so a rollout never ends before the spans its
-  finisher added are durable and a process reads what it wrote. An upload
+  does once they are in its SQLite file. An ``admit`` or a ``finish`` takes
+  the spans waiting at that moment along (one request less per call when a
+  gateway's calls follow each other, and per rollout when its runner added
+  spans, such as an emitted reward); refused, it gives them back to the
+  uploader and is asked again without them. ``flush()`` returns once every
+  span added before it is acknowledged; ``get_rollouts`` and ``release``
+  flush first, and ``finish`` is sent once the spans already on their way
+  are acknowledged, so a rollout never ends before the spans its finisher
+  added are durable and a process reads what it wrote. An upload
   that fails for good (the service gone past ``connect_timeout_s``, a 4xx,
   a 5xx such as a full disk) loses those spans alone: a refused batch is
   sent again span by span, and each attempt whose spans are lost is ended
@@ -253,10 +255,11 @@ class HttpStore:
 
     def finish(self, rollout_id: str, attempt_id: str, status: str,
                final_reward: float | None = None, error: str | None = None, *, lease: str | None = None) -> bool:
-        self.flush()  # the spans this process added are durable before the rollout is seen to end
-        body = {"rollout_id": rollout_id, "attempt_id": attempt_id, "status": status,
-                "final_reward": final_reward, "error": error, "lease": lease}
-        code, raw, retried = self._exchange("finish", body)
+        """One round trip, once the spans this process added are on their way: those waiting for upload ride on it
+        (the service writes them first), so they are durable before the rollout is seen to end."""
+        head = json.dumps({"rollout_id": rollout_id, "attempt_id": attempt_id, "status": status,
+                           "final_reward": final_reward, "error": error, "lease": lease}).encode()
+        code, raw, retried = self._carrying("finish", head, after_the_rest=True)
         if code >= 300:
             raise self._error("finish", code, raw)
         done = json.loads(raw)["ok"]
@@ -282,23 +285,32 @@ class HttpStore:
         """One round trip, which carries the spans waiting for upload; the service then makes :meth:`finish` of
         the attempt wait for these ids' spans."""
         head = json.dumps({"rollout_id": rollout_id, "attempt_id": attempt_id, "n": n, "lease": lease}).encode()
-
-        def send(items: list[tuple[Span, str | None]]) -> tuple[int, bytes, bool]:
-            answer = self._exchange("admit", head[:-1] + b", " + _spans_fields(items) + b"}" if items else head)
-            if items and answer[0] >= 300:  # the spans go back to the uploader, whose own upload reports a refusal
-                raise _NotCarried
-            return answer
-
-        try:
-            status, raw, _ = self._uploader.carry(send)
-        except _NotCarried:
-            status, raw, _ = self._exchange("admit", head)
+        status, raw, _ = self._carrying("admit", head)
         if status >= 300:
             raise self._error("admit", status, raw)
         answer = json.loads(raw)
         state = answer["state"]
         return (None if state is None else AttemptState(state["rollout_status"], state["current"], state["metadata"]),
                 answer["sequence_ids"])
+
+    def _carrying(self, method: str, head: bytes, *, after_the_rest: bool = False) -> tuple[int, bytes, bool]:
+        """:meth:`_exchange` of ``method`` (its JSON body ``head``) with the spans waiting for upload riding on it
+        (after those already on their way, with ``after_the_rest``). Refused, it is asked again without them;
+        they go back to the uploader (first uploaded, with ``after_the_rest``), whose own upload reports a refusal.
+        """
+
+        def send(items: list[tuple[Span, str | None]]) -> tuple[int, bytes, bool]:
+            answer = self._exchange(method, head[:-1] + b", " + _spans_fields(items) + b"}" if items else head)
+            if items and answer[0] >= 300:
+                raise _NotCarried
+            return answer
+
+        try:
+            return self._uploader.carry(send, after_the_rest=after_the_rest)
+        except _NotCarried:
+            if after_the_rest:
+                self.flush()
+            return self._exchange(method, head)
 
     # ------------------------------------------------------------ spans
 
@@ -417,7 +429,7 @@ class _TlsConnection(_OneWrite, http.client.HTTPSConnection):
 
 
 class _NotCarried(Exception):
-    """An ``admit`` the service refused with spans riding on it: asked again without them."""
+    """An ``admit`` or ``finish`` the service refused with spans riding on it: asked again without them."""
 
 
 def _spans_fields(items: list[tuple[Span, str | None]], dumped: list[bytes] | None = None) -> bytes:
