@@ -125,8 +125,6 @@ WAITING_METHODS = {"dequeue": "wait_s", "wait": "timeout_s"}
 SPAN_WAIT_S = 5.0
 """The longest ``finish`` waits for the spans of calls admitted for the attempt."""
 MAX_ADMIT = 1024
-SPAN_CARRIERS = ("admit", "finish")
-"""Methods that carry the spans waiting for upload in their client (``spans``, ``leases``): written first."""
 SPAN_BODY_LEVELS = 2
 """Levels a request body wraps its spans in (``{"spans": [span]}``): a body may nest that much deeper than a span."""
 
@@ -188,15 +186,20 @@ class _LeaseOf(_Body):
     lease: str | None
 
 
-class _Finish(_Body):
+class _CarriesSpans(_Body):
+    """A call (``admit``, ``finish``) that carries the spans waiting for upload in its client: written first."""
+
+    spans: list[Span] = Field(default_factory=list)
+    leases: list[_LeaseOf] = Field(default_factory=list)
+
+
+class _Finish(_CarriesSpans):
     rollout_id: str
     attempt_id: str
     status: str
     final_reward: float | None = None
     error: str | None = None
     lease: str | None = None
-    spans: list[Span] = Field(default_factory=list)
-    leases: list[_LeaseOf] = Field(default_factory=list)
 
 
 class _Spans(_Body):
@@ -204,13 +207,11 @@ class _Spans(_Body):
     leases: list[_LeaseOf] = Field(default_factory=list)
 
 
-class _Admit(_Body):
+class _Admit(_CarriesSpans):
     rollout_id: str
     attempt_id: str
     n: int = Field(ge=1, le=MAX_ADMIT)
     lease: str | None = None
-    spans: list[Span] = Field(default_factory=list)
-    leases: list[_LeaseOf] = Field(default_factory=list)
 
 
 class _Wait(_Body):
@@ -459,7 +460,7 @@ class StoreService:
         if method in WAITING_METHODS:  # tried at once; waited for on the pool if nothing is there yet
             answer = run(self.store, body.model_copy(update={WAITING_METHODS[method]: 0.0}))
             return answer if _final(method, body, answer) else None
-        if method in SPAN_CARRIERS and body.spans:  # spans that rode on the call: written first, whatever follows
+        if isinstance(body, _CarriesSpans) and body.spans:  # spans that rode on the call: written first, come what may
             self._keep_books("add_spans", body, _add_spans(self.store, body))
         if method == "finish":  # after the spans of the calls admitted for the attempt (not for a timed-out one's)
             if body.status != TIMED_OUT and self._awaited.pending(body.rollout_id, body.attempt_id):
