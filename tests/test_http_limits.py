@@ -11,8 +11,10 @@ import socket
 import threading
 
 import pytest
+from starlette.requests import Request
 
 from agl_core.http.limits import MAX_PIPELINED, ServerLimits, raise_fd_limit
+from agl_core.http.rules import BODY_RECEIVED, RequestError, read_body
 from agl_core.http.server import ServerThread
 
 head_seen = threading.Event()
@@ -118,3 +120,35 @@ def test_an_endless_header_line_of_a_request_pipelined_behind_another_is_refused
         with contextlib.suppress(OSError):
             answers = read_all(sock)
     assert answers == b"" or (answers.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 431" in answers), answers[:300]
+
+
+def test_a_body_held_whole_is_marked_in_the_scope_and_a_late_one_is_still_read_in_time():
+    """A request that arrives whole is marked (its body is read without a timer); one whose body comes later is not,
+    is read whole all the same, and a body that never comes is still answered 408."""
+    marks = []
+
+    async def reader(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        marks.append(BODY_RECEIVED in scope.get("extensions", {}))
+        try:
+            body, status = await read_body(Request(scope, receive), 1024, "the test's limit", 0.5), 200
+        except RequestError as exc:
+            body, status = str(exc).encode(), exc.status
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body})
+
+    head = b"POST /r HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n"
+    with ServerThread(reader) as running, socket.create_connection(("127.0.0.1", running.port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(head + b"whole")
+        assert sock.recv(65536).endswith(b"\r\n\r\nwhole")
+        sock.sendall(head)
+        threading.Event().wait(0.2)  # the app has begun and waits for the body
+        sock.sendall(b"later")
+        assert sock.recv(65536).endswith(b"\r\n\r\nlater")
+        sock.sendall(head + b"par")  # the rest never comes
+        answer = sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 408") and b"not received within 0.5 s" in answer
+    assert marks == [True, False, False]

@@ -109,3 +109,29 @@ def test_carry_sends_the_waiting_spans_with_the_callers_request_and_requeues_the
     assert sorted(written) == [0, 3]
     assert batcher.carry(lambda spans: spans) == []  # nothing waits
     batcher.stop(timeout_s=10)
+
+
+def test_a_carry_after_the_rest_is_sent_once_the_spans_on_their_way_are_written():
+    gate, written, order = threading.Event(), [], []
+
+    def write(spans):
+        gate.wait(10)  # span 0 is on its way, held
+        written.extend(s.sequence_id for s in spans)
+        order.append("written")
+
+    batcher = SpanBatcher(write, str, name="test-batcher", batch_size=8, max_pending=100)
+    batcher.start()
+    batcher.put([span(0)])
+    while batcher.pending.qsize():  # the thread took span 0 and waits at the gate
+        pass
+    batcher.put([span(1), span(2)])
+    threading.Timer(0.2, gate.set).start()
+
+    def send(spans):
+        order.append(("sent", [s.sequence_id for s in spans]))
+        return written[:]
+
+    assert batcher.carry(send, after_the_rest=True) == [0]  # sent after span 0 was written, carrying 1 and 2
+    assert order == ["written", ("sent", [1, 2])]
+    batcher.flush()  # the carried spans count as written
+    batcher.stop(timeout_s=10)

@@ -282,6 +282,42 @@ def test_a_closed_client_says_so(serve):
             call()
 
 
+class _CountedWrites:
+    """A socket that counts the writes made on it (and does them)."""
+
+    def __init__(self, sock):
+        self.sock, self.writes = sock, []
+
+    def sendall(self, data, *args):
+        self.writes.append(bytes(data))
+        return self.sock.sendall(data, *args)
+
+    def send(self, data, *args):
+        self.writes.append(bytes(data))
+        return self.sock.send(data, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
+def test_each_request_leaves_in_one_write_head_and_body(serve, client):
+    """http.client writes a request's head and body apart (two packets with TCP_NODELAY: two wake-ups of the
+    service); the client sends them in one write, each request on its kept-alive connection."""
+    url, backing = serve()
+    store = client(url)
+    store.enqueue([new("a")])  # opens this thread's connection
+    conn = store._local.conn
+    counted = conn.sock = _CountedWrites(conn.sock)
+    attempt = store.dequeue("w", 30)
+    assert store.heartbeat("a", attempt.attempt_id, 30, lease=attempt.lease)
+    assert len(counted.writes) == 2
+    for write, method in zip(counted.writes, ("dequeue", "heartbeat")):
+        head, _, body = write.partition(b"\r\n\r\n")
+        assert head.startswith(f"POST /v1/store/{method} HTTP/1.1".encode())
+        assert json.loads(body)["worker_id" if method == "dequeue" else "lease"]
+    assert backing.get_rollouts(["a"])[0].status == "running"
+
+
 def self_signed_certificate(directory):
     """A certificate for 127.0.0.1 and its key, written as PEM files in ``directory``: (certfile, keyfile)."""
     import datetime
@@ -462,6 +498,84 @@ def test_spans_waiting_for_upload_ride_on_the_next_admit_and_go_back_when_it_is_
     assert [s.sequence_id for s in backing.get_rollouts(["a"])[0].spans] == ids
     with contextlib.closing(sqlite3.connect(backing.path)) as conn:
         assert conn.execute("SELECT COUNT(*) FROM spans").fetchone()[0] == 4
+
+
+def recording(requests, hold_first_upload=None):
+    """An ASGI wrapper that notes (method, spans carried) of each request; the first ``add_spans`` waits until
+    ``hold_first_upload`` (an Event) is set, when given."""
+
+    def wrap(app):
+        async def wrapped(scope, receive, send):
+            message = await receive()
+            method = scope["path"].rsplit("/", 1)[-1]
+            requests.append((method, [s["sequence_id"] for s in json.loads(message["body"]).get("spans", [])]))
+            if method == "add_spans" and hold_first_upload is not None and not hold_first_upload.is_set():
+                while not hold_first_upload.is_set():
+                    await asyncio.sleep(0.01)
+
+            async def again():
+                return message
+            await app(scope, again, send)
+        return wrapped
+
+    return wrap
+
+
+def test_a_runners_spans_ride_on_its_finish_after_those_on_their_way(serve, client):
+    """The spans a runner added (an emitted reward) ride on its finish instead of an upload of their own; spans
+    already on their way (an upload held by the service) are acknowledged before the finish is sent."""
+    requests, release = [], threading.Event()
+    url, backing = serve(wrap=recording(requests, hold_first_upload=release))
+    store = client(url)
+    store.enqueue([new("a"), new("b")])
+    attempt = store.dequeue("w", 30)
+    leases = {("a", attempt.attempt_id): attempt.lease}
+    ids = [store.next_sequence_id("a") for _ in range(3)]
+    store.add_spans([span("a", attempt.attempt_id, ids[0])], leases=leases)
+    deadline = time.monotonic() + 5
+    while ("add_spans", [ids[0]]) not in requests:  # span 0 is on its way, held by the service
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    store.add_spans([span("a", attempt.attempt_id, i) for i in ids[1:]], leases=leases)
+    threading.Timer(0.3, release.set).start()
+    assert store.finish("a", attempt.attempt_id, "succeeded", 1.0, lease=attempt.lease)
+    assert requests[-2:] == [("add_spans", [ids[0]]), ("finish", ids[1:])]  # the finish waited for span 0
+    (rollout,) = backing.get_rollouts(["a"])
+    assert rollout.status == "succeeded" and [s.sequence_id for s in rollout.spans] == ids
+
+    other = store.dequeue("w", 30)  # nothing waits: a finish without spans
+    assert store.finish("b", other.attempt_id, "succeeded", 0.0, lease=other.lease)
+    assert requests[-1] == ("finish", [])
+
+
+def test_a_finish_refused_with_spans_riding_on_it_gives_them_back_and_is_asked_again(serve, client, caplog):
+    """A finish whose spans the service refuses (one of an ended attempt, under an id never handed out) is refused
+    whole; its spans go back to the uploader, which loses the refused span alone (its loss logged), and the finish
+    is made again without them."""
+    requests, release = [], threading.Event()
+    url, backing = serve(wrap=recording(requests, hold_first_upload=release))
+    store = client(url)
+    store.enqueue([new("a"), new("b")])
+    a, b = store.dequeue("w", 30), store.dequeue("w", 30)
+    assert store.finish("b", b.attempt_id, "succeeded", 1.0, lease=b.lease)
+    ids = [store.next_sequence_id("a") for _ in range(2)]
+    leases = {("a", a.attempt_id): a.lease, ("b", b.attempt_id): b.lease}
+    store.add_spans([span("a", a.attempt_id, ids[0])], leases=leases)
+    deadline = time.monotonic() + 5
+    while ("add_spans", [ids[0]]) not in requests:  # held by the service: the spans below wait for the finish
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    store.add_spans([span("a", a.attempt_id, ids[1]), span("b", b.attempt_id, 10_000)], leases=leases)
+    threading.Timer(0.3, release.set).start()
+    with caplog.at_level("ERROR", logger="agl_core.rollout.store_client"):
+        assert store.finish("a", a.attempt_id, "succeeded", 1.0, lease=a.lease)
+    refused = requests.index(("finish", [ids[1], 10_000]))  # then the uploader's (b's loss ends it: no-op)
+    assert requests[refused + 1:] == [("add_spans", [ids[1], 10_000]), ("add_spans", [ids[1]]),
+                                      ("add_spans", [10_000]), ("finish", []), ("finish", [])]
+    (rollout,) = backing.get_rollouts(["a"])
+    assert rollout.status == "succeeded" and [s.sequence_id for s in rollout.spans] == ids
+    assert backing.get_rollouts(["b"])[0].spans == []
+    assert "1 span(s) of rollout b attempt 1 lost" in caplog.text
 
 
 # ---------------------------------------------------------------- the plugin

@@ -23,6 +23,10 @@ adds them in uvicorn's own protocol class (passed as ``http=`` to
 - an idle kept-alive connection is closed after ``keep_alive_s`` (uvicorn's
   ``timeout_keep_alive``).
 
+A request whose body is wholly read is marked so in its scope (the extension
+:data:`~agl_core.http.rules.BODY_RECEIVED`): the app's body reader then needs
+no timer for it.
+
 :func:`raise_fd_limit` lifts the process's open-file limit to its hard limit,
 so that the connection cap, not the file descriptors, is what a flood of
 connections meets.
@@ -39,7 +43,7 @@ from typing import Any, ClassVar
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from agl_core.http.rules import error_body
+from agl_core.http.rules import BODY_RECEIVED, error_body
 
 log = logging.getLogger("agl_core.http.limits")
 
@@ -139,14 +143,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             if self._header_bytes > self.limits.max_header_bytes:
                 self._refuse(431, f"the request's header section exceeds {self.limits.max_header_bytes} bytes")
                 return
+            if self._header_timer is None:  # armed only for a header section that spans reads: most arrive whole
+                self._arm_header_timer()
 
     # ------------------------------------------------------------ httptools' calls
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_headers, self._between, self._header_bytes, self._headers_began_before = True, False, 0, False
-        if self._header_timer is None:
-            self._arm_header_timer()
 
     def on_headers_complete(self) -> None:
         parsed = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
@@ -164,6 +168,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._between = True
+        if self.cycle is not None and not self.cycle.response_complete:  # the app may take the body without a timer
+            self.cycle.scope.setdefault("extensions", {})[BODY_RECEIVED] = {}
         super().on_message_complete()
 
     # ------------------------------------------------------------ inside

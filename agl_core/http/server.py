@@ -52,10 +52,11 @@ class ServerThread:
             hint = "; choose another port (0: any free one)" if exc.errno == errno.EADDRINUSE else ""
             raise ConfigError(f"{key}{name} cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None
         self.port: int = self._socket.getsockname()[1]
-        # uvloop roughly halves the per-request cost; asyncio where it does not exist (Windows).
+        # uvloop roughly halves the per-request cost; asyncio where it does not exist (Windows). No proxy headers:
+        # the services are reached directly, and a client's X-Forwarded-For would be believed from loopback.
         loop = "uvloop" if sys.platform != "win32" else "asyncio"
-        config = uvicorn.Config(app, loop=loop, http=protocol_with(self.limits), lifespan="auto",
-                                ws="none", server_header=False, log_level="warning", access_log=False,
+        config = uvicorn.Config(app, loop=loop, http=protocol_with(self.limits), lifespan="auto", ws="none",
+                                server_header=False, proxy_headers=False, log_level="warning", access_log=False,
                                 timeout_keep_alive=self.limits.keep_alive_s,
                                 timeout_graceful_shutdown=SHUTDOWN_S, backlog=4096)
         self._server = uvicorn.Server(config)

@@ -6,7 +6,8 @@ behind). The thread takes every span waiting, up to ``batch_size``, and hands
 them to ``write`` at once: under load a write carries hundreds of spans, when
 idle a span is written at once. :meth:`SpanBatcher.flush` returns once every
 span put before it is written. :meth:`SpanBatcher.carry` lets a caller take
-the spans waiting and send them with a request of its own.
+the spans waiting and send them with a request of its own (after every other
+span put before, if the request must follow them).
 
 A failed write loses its batch alone: ``lost(spans, error)`` is told (the
 store fails the attempts those spans belong to, and logs), and the next
@@ -53,16 +54,23 @@ class SpanBatcher(threading.Thread, Generic[T]):
         """Return once every span put so far is written (or lost, and ``lost`` told)."""
         with self.done:
             target = self.added
+        self._wait_written(target)
+
+    def _wait_written(self, target: int) -> None:
+        with self.done:
             while self.written < target:
                 self.done.wait(1.0)
 
-    def carry(self, send: Callable[[list[T]], R]) -> R:
+    def carry(self, send: Callable[[list[T]], R], *, after_the_rest: bool = False) -> R:
         """``send(spans)`` on the caller's thread with the spans waiting now (up to ``batch_size``; maybe none),
         so that they ride on a request the caller makes anyway.
 
         They count as written once ``send`` returns. If it raises, they are queued again for this thread
-        (so a write must be idempotent) and the error propagates.
+        (so a write must be idempotent) and the error propagates. With ``after_the_rest``, ``send`` is called
+        once every other span put before is written (or lost): what the request says then follows them all.
         """
+        with self.done:
+            target = self.added
         spans: list[T] = []
         while len(spans) < self.batch_size:
             try:
@@ -73,6 +81,8 @@ class SpanBatcher(threading.Thread, Generic[T]):
                 self.pending.put(None)
                 break
             spans.append(span)
+        if after_the_rest:
+            self._wait_written(target - len(spans))
         try:
             result = send(spans)
         except BaseException:

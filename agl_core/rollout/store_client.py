@@ -11,7 +11,8 @@ by URL: ``HttpStore("http://10.0.0.5:8765", token=...)``, or the recipe's
   call; TLS for an ``https`` URL, checked against the system's certificate
   authorities). The connection is opened within ``connect_timeout_s`` (at
   most 10 s a try); a request's answer is waited for up to 60 s beyond the
-  long poll it asks for. Every request is a small JSON POST. ``http.client``
+  long poll it asks for. Every request is a small JSON POST, sent in one
+  write (head and body: one packet, one wake-up of the service). ``http.client``
   was measured the fastest of the well-kept synchronous clients (urllib3
   and ``httpx.Client`` cost more per call): ``benchmarks/bench_http_parts.py``.
 - **Retries.** A connection error, a timeout or a 502/503/504 is retried, at
@@ -28,13 +29,15 @@ by URL: ``HttpStore("http://10.0.0.5:8765", token=...)``, or the recipe's
   queues them with their attempts' lease tokens (bounded: it blocks when
   ``max_pending`` wait) and returns; a background thread uploads them in
   batches and retries a batch until the service acknowledges it, which it
-  does once they are in its SQLite file. An ``admit`` takes the spans
-  waiting at that moment along (one request less per call when a gateway's
-  calls follow each other); refused, it gives them back to the uploader and
-  is asked again without them. ``flush()`` returns once every span
-  added before it is acknowledged; ``finish``, ``get_rollouts`` and
-  ``release`` flush first, so a rollout never ends before the spans its
-  finisher added are durable and a process reads what it wrote. An upload
+  does once they are in its SQLite file. An ``admit`` or a ``finish`` takes
+  the spans waiting at that moment along (one request less per call when a
+  gateway's calls follow each other, and per rollout when its runner added
+  spans, such as an emitted reward); refused, it gives them back to the
+  uploader and is asked again without them. ``flush()`` returns once every
+  span added before it is acknowledged; ``get_rollouts`` and ``release``
+  flush first, and ``finish`` is sent once the spans already on their way
+  are acknowledged, so a rollout never ends before the spans its finisher
+  added are durable and a process reads what it wrote. An upload
   that fails for good (the service gone past ``connect_timeout_s``, a 4xx,
   a 5xx such as a full disk) loses those spans alone: a refused batch is
   sent again span by span, and each attempt whose spans are lost is ended
@@ -175,8 +178,8 @@ class HttpStore:
             host, port = self._address
             connect_timeout_s = min(CONNECT_TIMEOUT_S, self.connect_timeout_s)
             conn = self._local.conn = (
-                http.client.HTTPConnection(host, port, timeout=connect_timeout_s) if self._tls is None
-                else http.client.HTTPSConnection(host, port, timeout=connect_timeout_s, context=self._tls))
+                _Connection(host, port, timeout=connect_timeout_s) if self._tls is None
+                else _TlsConnection(host, port, timeout=connect_timeout_s, context=self._tls))
             with self._connections_lock:
                 self._connections.add(conn)
         if conn.sock is None:  # new, or closed by a failure or by the service: connected within the connect timeout
@@ -252,10 +255,11 @@ class HttpStore:
 
     def finish(self, rollout_id: str, attempt_id: str, status: str,
                final_reward: float | None = None, error: str | None = None, *, lease: str | None = None) -> bool:
-        self.flush()  # the spans this process added are durable before the rollout is seen to end
-        body = {"rollout_id": rollout_id, "attempt_id": attempt_id, "status": status,
-                "final_reward": final_reward, "error": error, "lease": lease}
-        code, raw, retried = self._exchange("finish", body)
+        """One round trip, once the spans this process added are on their way: those waiting for upload ride on it
+        (the service writes them first), so they are durable before the rollout is seen to end."""
+        head = json.dumps({"rollout_id": rollout_id, "attempt_id": attempt_id, "status": status,
+                           "final_reward": final_reward, "error": error, "lease": lease}).encode()
+        code, raw, retried = self._carrying("finish", head, after_the_rest=True)
         if code >= 300:
             raise self._error("finish", code, raw)
         done = json.loads(raw)["ok"]
@@ -281,23 +285,32 @@ class HttpStore:
         """One round trip, which carries the spans waiting for upload; the service then makes :meth:`finish` of
         the attempt wait for these ids' spans."""
         head = json.dumps({"rollout_id": rollout_id, "attempt_id": attempt_id, "n": n, "lease": lease}).encode()
-
-        def send(items: list[tuple[Span, str | None]]) -> tuple[int, bytes, bool]:
-            answer = self._exchange("admit", head[:-1] + b", " + _spans_fields(items) + b"}" if items else head)
-            if items and answer[0] >= 300:  # the spans go back to the uploader, whose own upload reports a refusal
-                raise _NotCarried
-            return answer
-
-        try:
-            status, raw, _ = self._uploader.carry(send)
-        except _NotCarried:
-            status, raw, _ = self._exchange("admit", head)
+        status, raw, _ = self._carrying("admit", head)
         if status >= 300:
             raise self._error("admit", status, raw)
         answer = json.loads(raw)
         state = answer["state"]
         return (None if state is None else AttemptState(state["rollout_status"], state["current"], state["metadata"]),
                 answer["sequence_ids"])
+
+    def _carrying(self, method: str, head: bytes, *, after_the_rest: bool = False) -> tuple[int, bytes, bool]:
+        """:meth:`_exchange` of ``method`` (its JSON body ``head``) with the spans waiting for upload riding on it
+        (after those already on their way, with ``after_the_rest``). Refused, it is asked again without them;
+        they go back to the uploader (first uploaded, with ``after_the_rest``), whose own upload reports a refusal.
+        """
+
+        def send(items: list[tuple[Span, str | None]]) -> tuple[int, bytes, bool]:
+            answer = self._exchange(method, head[:-1] + b", " + _spans_fields(items) + b"}" if items else head)
+            if items and answer[0] >= 300:
+                raise _NotCarried
+            return answer
+
+        try:
+            return self._uploader.carry(send, after_the_rest=after_the_rest)
+        except _NotCarried:
+            if after_the_rest:
+                self.flush()
+            return self._exchange(method, head)
 
     # ------------------------------------------------------------ spans
 
@@ -321,13 +334,14 @@ class HttpStore:
         """Send the spans of ``items`` (the uploader's thread), in requests of about ``batch_bytes`` each, retried
         until acknowledged: the service answers once they are in its file. A refusal (409, 400) is raised: the
         uploader then sends the spans one by one, so that only those refused are lost."""
-        part, size = [], 0
+        part, dumped, size = [], [], 0
         for index, item in enumerate(items):
             part.append(item)
-            size += len(item[0].model_dump_json())
+            dumped.append(item[0].model_dump_json().encode())
+            size += len(dumped[-1])
             if size >= self._batch_bytes or index == len(items) - 1:
-                self._call("add_spans", b"{" + _spans_fields(part) + b"}")
-                part, size = [], 0
+                self._call("add_spans", b"{" + _spans_fields(part, dumped) + b"}")
+                part, dumped, size = [], [], 0
 
     def _spans_lost(self, items: list[tuple[Span, str | None]], error: BaseException) -> None:
         """Spans the service did not take: each attempt they belong to ends failed (logged), if it still runs."""
@@ -380,15 +394,50 @@ class HttpStore:
                 self._connections.clear()
 
 
+class _OneWrite:
+    """An ``http.client`` connection that sends each request in one write, when its answer is asked for.
+
+    ``http.client`` writes a request's head and body apart; with the TCP_NODELAY
+    it sets, they leave as two packets and wake the service twice. Its public
+    ``send`` is the one way it writes, ``putrequest`` begins every request
+    (what a failed one left unsent is dropped there) and ``getresponse`` ends
+    the sending.
+    """
+
+    _unsent: list[bytes]
+
+    def putrequest(self, *args: Any, **kwargs: Any) -> None:
+        self._unsent = []
+        super().putrequest(*args, **kwargs)
+
+    def send(self, data: bytes) -> None:
+        self._unsent.append(data)
+
+    def getresponse(self) -> http.client.HTTPResponse:
+        data, self._unsent = b"".join(self._unsent), []
+        if data:
+            super().send(data)
+        return super().getresponse()
+
+
+class _Connection(_OneWrite, http.client.HTTPConnection):
+    pass
+
+
+class _TlsConnection(_OneWrite, http.client.HTTPSConnection):
+    pass
+
+
 class _NotCarried(Exception):
-    """An ``admit`` the service refused with spans riding on it: asked again without them."""
+    """An ``admit`` or ``finish`` the service refused with spans riding on it: asked again without them."""
 
 
-def _spans_fields(items: list[tuple[Span, str | None]]) -> bytes:
+def _spans_fields(items: list[tuple[Span, str | None]], dumped: list[bytes] | None = None) -> bytes:
     """``"spans": [...], "leases": [...]``: the fields of a span upload (each span as ``model_dump_json`` writes
-    it, and the lease token of each attempt they belong to)."""
+    it, or as ``dumped`` holds it so, and the lease token of each attempt they belong to)."""
     leases = {(span.rollout_id, span.attempt_id): lease for span, lease in items}
-    return (b'"spans":[' + b",".join(span.model_dump_json().encode() for span, _ in items) + b'],"leases":'
+    spans = dumped if dumped is not None else [span.model_dump_json().encode() for span, _ in items]
+    return (b'"spans":[' + b",".join(spans) + b'],"leases":'
             + json.dumps([{"rollout_id": r, "attempt_id": a, "lease": lease}
                           for (r, a), lease in leases.items()]).encode())
 

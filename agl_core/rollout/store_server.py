@@ -19,7 +19,9 @@ method                request                                       answer
                                                                     metadata, lease} | null``
 ``heartbeat``         ``rollout_id, attempt_id, lease_s, lease``    ``ok``
 ``finish``            ``rollout_id, attempt_id, status,             ``ok``
-                      final_reward, error, lease``
+                      final_reward, error, lease, spans?,
+                      leases?`` (spans waiting for upload ride
+                      on it, written first, as by ``add_spans``)
 ``cancel``            ``rollout_ids | null, reason``                ``count``
 ``requeue_expired``   ``{}``                                        ``count``
 ``attempt_state``     ``rollout_id, attempt_id``                    ``state: {rollout_status,
@@ -80,7 +82,8 @@ keeps one round trip per call on the agent's path, where a gateway that
 flushed each call before answering paid two. Only stores reached through
 this service need it: in one process the gateway writes to the reader's
 store. When calls follow each other, the spans waiting for upload ride on
-the next ``admit`` of the same client instead of a request of their own.
+the next ``admit`` of the same client instead of a request of their own, and
+those a runner added (an emitted reward) ride on its ``finish``.
 """
 
 from __future__ import annotations
@@ -159,15 +162,6 @@ class _Heartbeat(_Body):
     lease: str | None = None
 
 
-class _Finish(_Body):
-    rollout_id: str
-    attempt_id: str
-    status: str
-    final_reward: float | None = None
-    error: str | None = None
-    lease: str | None = None
-
-
 class _Cancel(_Body):
     rollout_ids: list[str] | None
     reason: str
@@ -192,18 +186,32 @@ class _LeaseOf(_Body):
     lease: str | None
 
 
+class _CarriesSpans(_Body):
+    """A call (``admit``, ``finish``) that carries the spans waiting for upload in its client: written first."""
+
+    spans: list[Span] = Field(default_factory=list)
+    leases: list[_LeaseOf] = Field(default_factory=list)
+
+
+class _Finish(_CarriesSpans):
+    rollout_id: str
+    attempt_id: str
+    status: str
+    final_reward: float | None = None
+    error: str | None = None
+    lease: str | None = None
+
+
 class _Spans(_Body):
     spans: list[Span]
     leases: list[_LeaseOf] = Field(default_factory=list)
 
 
-class _Admit(_Body):
+class _Admit(_CarriesSpans):
     rollout_id: str
     attempt_id: str
     n: int = Field(ge=1, le=MAX_ADMIT)
     lease: str | None = None
-    spans: list[Span] = Field(default_factory=list)
-    leases: list[_LeaseOf] = Field(default_factory=list)
 
 
 class _Wait(_Body):
@@ -452,12 +460,12 @@ class StoreService:
         if method in WAITING_METHODS:  # tried at once; waited for on the pool if nothing is there yet
             answer = run(self.store, body.model_copy(update={WAITING_METHODS[method]: 0.0}))
             return answer if _final(method, body, answer) else None
+        if isinstance(body, _CarriesSpans) and body.spans:  # spans that rode on the call: written first, come what may
+            self._keep_books("add_spans", body, _add_spans(self.store, body))
         if method == "finish":  # after the spans of the calls admitted for the attempt (not for a timed-out one's)
             if body.status != TIMED_OUT and self._awaited.pending(body.rollout_id, body.attempt_id):
                 return None
             self._awaited.forget_attempt(body.rollout_id, body.attempt_id)
-        if method == "admit" and body.spans:  # spans that rode on the admit: written first, whatever follows
-            self._keep_books("add_spans", body, _add_spans(self.store, body))
         answer = run(self.store, body)
         self._keep_books(method, body, answer)
         return answer
