@@ -215,7 +215,10 @@ def test_stopping_the_server_lets_the_request_in_flight_finish(tmp_path):
     poll = threading.Thread(target=lambda: answers.append(post(server.url, "dequeue", {
         "worker_id": "w", "lease_s": 10, "wait_s": 1.0})))
     poll.start()
-    time.sleep(0.3)  # the long poll is waiting at the service
+    deadline = time.monotonic() + 10
+    while not server._server.server_state.tasks:  # until the long poll is waiting at the service (uvicorn's own count)
+        assert time.monotonic() < deadline, "the dequeue never reached the service"
+        time.sleep(0.01)
     server.stop()
     poll.join(10)
     service.close()
