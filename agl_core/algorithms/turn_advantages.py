@@ -21,7 +21,7 @@ import torch
 
 from agl_core.algorithms.advantages import _group_mean_std, group_ids
 
-__all__ = ["call_ranks", "discounted_returns", "gigpo", "group_normalized",
+__all__ = ["call_ranks", "dense_ids", "discounted_returns", "gigpo", "group_normalized",
            "per_call_rewards", "to_tokens", "turn_grpo"]
 
 
@@ -31,15 +31,31 @@ def call_ranks(rollout: torch.Tensor, turn: torch.Tensor) -> tuple[torch.Tensor,
     in the trace."""
     if rollout.numel() == 0:
         return torch.zeros(0, dtype=torch.long), 0
-    order = torch.argsort(rollout * (int(turn.max()) + 1) + turn)
-    sorted_rollout = rollout[order]
+    key = rollout * (int(turn.max()) + 1) + turn
+    # The aggregators list each rollout's calls together and in turn order: then the calls need no sort.
+    in_order = bool((key[1:] > key[:-1]).all())
+    order = None if in_order else torch.argsort(key)
+    sorted_rollout = rollout if order is None else rollout[order]
     starts = torch.ones_like(sorted_rollout, dtype=torch.bool)
     starts[1:] = sorted_rollout[1:] != sorted_rollout[:-1]
-    position = torch.arange(len(order))
+    position = torch.arange(len(key))
     first = torch.cummax(torch.where(starts, position, 0), 0).values  # where each call's rollout starts
-    rank = torch.empty_like(order)
-    rank[order] = position - first
+    rank = position - first
+    if order is not None:
+        rank = torch.empty_like(order).index_copy_(0, order, rank)
     return rank, int(rank.max()) + 1
+
+
+def dense_ids(key: torch.Tensor, size: int) -> tuple[torch.Tensor, int]:
+    """``(ids, n)``: the keys (K,) long in ``0..size-1`` numbered ``0..n-1`` in increasing order of key (what
+    ``torch.unique(key, return_inverse=True)`` numbers them), and n the distinct keys."""
+    if size > 4 * len(key) + 1024:  # a presence table would outweigh a sort
+        values, ids = torch.unique(key, return_inverse=True)
+        return ids, len(values)
+    present = torch.zeros(size, dtype=torch.bool)
+    present[key] = True
+    number = torch.cumsum(present, 0) - 1
+    return number[key], int(number[-1]) + 1 if size else 0
 
 
 def per_call_rewards(call_reward: torch.Tensor, own: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor,
@@ -133,8 +149,14 @@ def turn_grpo(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor, t
     return group_normalized(returns, turn_group, n_groups, norm_by_std, epsilon, singleton="grpo")
 
 
-def to_tokens(call_advantage: torch.Tensor, token_call: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Per-token advantages (B, T): each token gets its call's advantage (``token_call`` (B, T): index of the
-    call in ``call_advantage``, -1 for a token no call generated, which gets 0), times ``response_mask``."""
-    values = torch.cat([call_advantage, call_advantage.new_zeros(1)])  # index -1 reads the trailing 0
-    return values[token_call].to(torch.float32) * response_mask
+def to_tokens(call_advantage: torch.Tensor, call_slot: torch.Tensor, token_slot: torch.Tensor, n_slots: int,
+              response_mask: torch.Tensor) -> torch.Tensor:
+    """Per-token advantages (B, T) float32: each token gets its call's advantage, times ``response_mask``.
+
+    Calls and tokens meet in a table of ``n_slots`` slots: ``call_slot`` (K,)
+    is each call's slot, ``token_slot`` (B, T) each token's (its call's); a
+    token on a slot no call holds (one no call generated) gets 0. One gather.
+    """
+    table = torch.zeros(n_slots, dtype=torch.float32)
+    table[call_slot] = call_advantage.to(torch.float32)
+    return table[token_slot] * response_mask

@@ -3,7 +3,8 @@
 The glue between :class:`agl_core.data.Batch` and the pure tensor math of
 :mod:`agl_core.algorithms.turn_advantages`: it reads the columns the
 aggregators write (:data:`agl_core.data.CALL_COLUMNS`, ``turn_ids``) into one
-entry per call.
+entry per call. Only integers and floats: state keys are read as their ids
+(``call_state_ids``), so no Python object is touched per call.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ import numpy as np
 import torch
 
 from agl_core.algorithms.advantages import group_ids
-from agl_core.data import REWARD_FROM_CALL, Batch
-
+from agl_core.data import REWARD_FROM_CALL, Batch, state_key_ids
 
 
 @dataclass
@@ -30,8 +30,10 @@ class BatchCalls:
     n_rollouts: int
     group: torch.Tensor  # (K,) long: dense id of the call's group (its row's ``uid``)
     rollout_group: torch.Tensor  # (n_rollouts,) long: dense group id of each rollout
-    state: torch.Tensor  # (K,) long: dense id of the call's state key, -1 for a call without one
-    token_call: torch.Tensor  # (B, T) long: index of each token's call, -1 for a token no call generated
+    state: torch.Tensor  # (K,) long: the call's ``call_state_ids`` (its state key's id), -1 for a call without one
+    call_slot: torch.Tensor  # (K,) long: each call's slot (see turn_advantages.to_tokens)
+    token_slot: torch.Tensor  # (B, T) long: each token's slot, its call's; tokens no call generated share one
+    n_slots: int
 
 
 def batch_calls(batch: Batch) -> BatchCalls:
@@ -39,7 +41,8 @@ def batch_calls(batch: Batch) -> BatchCalls:
 
     Rows without those columns (an aggregator that does not write them)
     are taken as one call each: its turn the row's ``turn_index`` (0 when
-    absent), its reward the row's summed scores, the rollout's. The rows
+    absent), its reward the row's summed scores, the rollout's. Rows with
+    ``call_state_keys`` but no ``call_state_ids`` get the ids here. The rows
     need ``uid`` and ``rollout_id`` (every aggregator writes them). With the
     KL penalty in the reward (``token_level_rewards`` is not
     ``token_level_scores``), each call's ``kl`` is the penalty summed over
@@ -57,7 +60,8 @@ def batch_calls(batch: Batch) -> BatchCalls:
         turn = torch.from_numpy(call_turns[valid])
         reward = torch.from_numpy(batch["call_rewards"][valid].astype(np.float64, copy=False))
         own = torch.from_numpy(batch["call_reward_sources"][valid] == REWARD_FROM_CALL)
-        keys = batch["call_state_keys"][valid]
+        state = torch.from_numpy(batch["call_state_ids"][valid] if "call_state_ids" in batch
+                                 else state_key_ids(batch["call_state_keys"][valid]))
         turn_ids = batch["turn_ids"]
     else:
         row = np.arange(n)
@@ -66,48 +70,61 @@ def batch_calls(batch: Batch) -> BatchCalls:
         call_turns = turn.numpy()[:, None]
         reward = scores.sum(-1, dtype=torch.float64)
         own = torch.zeros(n, dtype=torch.bool)
-        keys = np.full(n, None, dtype=object)
+        state = torch.full((n,), -1, dtype=torch.long)
         turn_ids = torch.where(mask.bool(), turn[:, None], -1).to(torch.int32)
-    rows = torch.from_numpy(row)
-    token_call = _token_calls(call_turns, turn_ids)
+    call_slot, token_slot, n_slots = _slots(call_turns, turn_ids.numpy())
     kl = torch.zeros(len(turn), dtype=torch.float64)
     if rewards.data_ptr() != scores.data_ptr() and len(turn):  # the KL penalty is in the reward
-        on_call = token_call >= 0
-        kl.index_add_(0, token_call[on_call], (rewards - scores).to(torch.float64)[on_call])
+        penalty = np.bincount(token_slot.ravel(), (rewards - scores).to(torch.float64).numpy().ravel(), n_slots)
+        kl = torch.from_numpy(penalty[call_slot])
     rollout_of_row, n_rollouts = group_ids(batch["rollout_id"])
     # A rollout's rows share its uid: the groups are read off each rollout's first row.
     first_row = torch.full((n_rollouts,), n, dtype=torch.long).scatter_reduce(0, rollout_of_row, torch.arange(n),
                                                                                "amin")
     rollout_group, _ = group_ids(np.asarray(batch["uid"])[first_row.numpy()])
-    rollout = rollout_of_row[rows]
-    keyed = np.flatnonzero(keys != None)  # noqa: E711 - elementwise over an object array
-    state = torch.full((len(turn),), -1, dtype=torch.long)
-    if len(keyed):
-        state[torch.from_numpy(keyed)] = group_ids(keys[keyed])[0]
+    rollout = rollout_of_row[torch.from_numpy(row)]
     return BatchCalls(reward=reward, own=own, kl=kl, turn=turn, rollout=rollout, n_rollouts=n_rollouts,
-                      group=rollout_group[rollout], rollout_group=rollout_group, state=state, token_call=token_call)
+                      group=rollout_group[rollout], rollout_group=rollout_group, state=state,
+                      call_slot=torch.from_numpy(call_slot), token_slot=torch.from_numpy(token_slot), n_slots=n_slots)
 
 
-def _token_calls(call_turns: np.ndarray, turn_ids: torch.Tensor) -> torch.Tensor:
-    """Each token's call (B, T) long, -1 where ``turn_ids`` is -1: one gather from a (B, W) table of each row's
-    calls by turn id (offset by the row's first call's; W the widest span of turn ids in a row)."""
+def _slots(call_turns: np.ndarray, turn_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(call_slot, token_slot, n_slots)``: a slot per call (K,) and each token's (B, T), its call's.
+
+    Row r's calls take slots ``r * W + turn - first`` (``first`` the row's
+    first turn, W the widest span of turns in a row), so a token finds its
+    call by arithmetic on its turn id, with no search; the tokens no call
+    generated share the last slot. In NumPy: a few passes over (B, T) small
+    ints, each cheaper than a torch op's dispatch and thread hand-off.
+    """
     valid = call_turns >= 0
     n = call_turns.shape[0]
-    first = np.where(valid.any(1), call_turns[:, 0], 0)
-    offset = (call_turns - first[:, None])[valid]
-    width = int(offset.max()) + 1 if len(offset) else 1
-    table = np.full((n, width), -1, dtype=np.int64)
-    table[np.repeat(np.arange(n), valid.sum(1)), offset] = np.arange(len(offset))
-    # In NumPy: a dozen passes over (B, T) small ints, each cheaper than a torch op's dispatch and thread hand-off.
-    ids = turn_ids.numpy()
-    relative = ids - first.astype(ids.dtype)[:, None]
-    at = np.clip(relative, 0, width - 1)
-    call = np.take_along_axis(table, at, 1)
-    on_call = ids >= 0
-    missing = on_call & ((call < 0) | (at != relative))
+    first = np.where(valid, call_turns, np.iinfo(np.int64).max).min(1, initial=np.iinfo(np.int64).max)
+    first[first == np.iinfo(np.int64).max] = 0  # a row without calls
+    last = call_turns.max(1, initial=-1)
+    offset = call_turns - first[:, None]
+    width = int(offset[valid].max()) + 1 if valid.any() else 1
+    call_slot = (offset + (np.arange(n) * width)[:, None])[valid]
+    n_slots = n * width + 1
+    on_call = turn_ids >= 0
+    token_slot = np.where(on_call, turn_ids + (np.arange(n) * width - first)[:, None], n_slots - 1)
+    # Every token's turn must be one of its row's calls: within [first, last], and where a row's calls skip a
+    # turn, not on a skipped one.
+    lowest = np.where(on_call, turn_ids, np.iinfo(turn_ids.dtype).max).min(1, initial=np.iinfo(turn_ids.dtype).max)
+    gaps = (offset[:, :1] + np.arange(call_turns.shape[1]) != offset) & valid
+    if (turn_ids.max(1, initial=-1) > last).any() or (lowest < first).any() or gaps.any():
+        _check_listed(call_turns, turn_ids, on_call, token_slot, call_slot, n_slots, first, width)
+    return call_slot, token_slot, n_slots
+
+
+def _check_listed(call_turns, turn_ids, on_call, token_slot, call_slot, n_slots, first, width) -> None:
+    """Raise a ValueError naming the first row with a token whose turn id is none of its row's calls."""
+    relative = turn_ids - first[:, None]
+    inside = (relative >= 0) & (relative < width)
+    listed = np.zeros(n_slots, dtype=bool)
+    listed[call_slot] = True
+    missing = on_call & ~(inside & listed[np.where(inside, token_slot, n_slots - 1)])
     if missing.any():
         bad_row = int(np.flatnonzero(missing.any(1))[0])
         raise ValueError(f"row {bad_row}: turn_ids names a call that call_turns does not list "
-                         f"({sorted(set(ids[bad_row][missing[bad_row]].tolist()))})")
-    call[~on_call] = -1
-    return torch.from_numpy(call)
+                         f"({sorted(set(turn_ids[bad_row][missing[bad_row]].tolist()))})")

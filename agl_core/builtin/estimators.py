@@ -91,19 +91,24 @@ def _report(ctx, metrics: dict[str, float]) -> None:
 def _gigpo(batch, config, ctx=None, *, settings: GiGPOConfig):
     calls, rank, length, reward = _step_inputs(batch)
     keyed = calls.state >= 0
-    # A step group: the calls of one group (task) made in one state.
+    # A step group: the calls of one group (task) made in one state (equal state ids).
+    states, state = torch.unique(calls.state[keyed], return_inverse=True)
     state_group = torch.full_like(calls.state, -1)
-    state_group[keyed] = torch.unique(calls.group[keyed] * (int(calls.state.max()) + 1) + calls.state[keyed],
-                                      return_inverse=True)[1]
+    state_group[keyed], n_states = T.dense_ids(calls.group[keyed] * len(states) + state,
+                                               _n_groups(calls) * len(states))
     advantage = T.gigpo(reward, calls.rollout, rank, calls.rollout_group, state_group, calls.n_rollouts, length,
                         config.gamma, step_weight=settings.step_weight, norm_by_std=settings.mode == "mean_std_norm",
                         epsilon=settings.epsilon)
-    n_keyed, n_states = int(keyed.sum()), int(state_group.max()) + 1
+    n_keyed = len(state)
     _report(ctx, {"advantage/calls": float(len(reward)), "advantage/calls_with_state_key": float(n_keyed),
                   "advantage/step_group_size_mean": n_keyed / n_states if n_states else 0.0,
                   "advantage/rollouts_outcome_only": float(calls.n_rollouts - _rollouts_with_own(calls))})
-    advantages = T.to_tokens(advantage, calls.token_call, batch["response_mask"])
+    advantages = T.to_tokens(advantage, calls.call_slot, calls.token_slot, calls.n_slots, batch["response_mask"])
     return advantages, advantages
+
+
+def _n_groups(calls) -> int:
+    return int(calls.rollout_group.max()) + 1 if calls.n_rollouts else 0
 
 
 def _rollouts_with_own(calls) -> int:
@@ -114,12 +119,12 @@ def _rollouts_with_own(calls) -> int:
 
 def _turn_grpo(batch, config, ctx=None):
     calls, rank, length, reward = _step_inputs(batch)
-    turn_group = torch.unique(calls.group * length + rank, return_inverse=True)[1]  # a task's t-th calls
+    turn_group, _ = T.dense_ids(calls.group * length + rank, _n_groups(calls) * length)  # a task's t-th calls
     advantage = T.turn_grpo(reward, calls.rollout, rank, turn_group, calls.n_rollouts, length, config.gamma,
                             norm_by_std=config.norm_adv_by_std_in_grpo)
     _report(ctx, {"advantage/calls": float(len(reward)),
                   "advantage/rollouts_outcome_only": float(calls.n_rollouts - _rollouts_with_own(calls))})
-    advantages = T.to_tokens(advantage, calls.token_call, batch["response_mask"])
+    advantages = T.to_tokens(advantage, calls.call_slot, calls.token_slot, calls.n_slots, batch["response_mask"])
     return advantages, advantages
 
 
