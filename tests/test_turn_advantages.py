@@ -1,5 +1,6 @@
 """Step-level advantages (gigpo, turn_grpo) on hand-computed batches, through both aggregators' real rows."""
 
+import hashlib
 import math
 
 import numpy as np
@@ -14,7 +15,7 @@ from agl_core.algorithms import turn_advantages as T
 from agl_core.builtin import estimators as E
 from agl_core.components import Component, call_estimator
 from agl_core.config import AlgorithmConfig
-from agl_core.data import Rollout, Span
+from agl_core.data import CALL_COLUMNS, Rollout, Span, state_key_ids
 
 
 def game(rollout_id, task_id, rewards, keys, final_reward=1.0):
@@ -159,7 +160,7 @@ def test_the_kl_penalty_on_a_calls_tokens_is_part_of_its_reward():
 def test_rows_without_per_call_columns_are_one_call_each():
     """An aggregator that writes no per-call columns: each row is one call with its row's reward."""
     batch = rows(GAMES, "transition")
-    for column in ("turn_ids", "call_turns", "call_rewards", "call_reward_sources", "call_state_keys"):
+    for column in ("turn_ids", *CALL_COLUMNS):
         batch.pop(column)
     got = turn_grpo(batch, 1.0)
     assert got.shape == batch["responses"].shape and torch.isfinite(got).all()
@@ -212,4 +213,41 @@ def test_a_token_of_a_call_the_row_does_not_list_is_an_error():
     turn_ids[1, 0] = 7  # rollout b has calls 0, 1, 2
     batch["turn_ids"] = turn_ids
     with pytest.raises(ValueError, match=r"row 1: turn_ids names a call that call_turns does not list \(\[7\]\)"):
+        gigpo(batch, 1.0)
+
+
+def test_state_key_ids_are_a_stable_digest_and_rows_with_keys_only_group_alike():
+    """The ids are the same in every process (a digest, not Python's salted hash); rows that carry only
+    ``call_state_keys`` (an aggregator of the older contract) get the ids from the keys, with the same result."""
+    ids = state_key_ids(["s0", None, "s0", "s1"])
+    assert ids.dtype == np.int64 and ids[1] == -1 and ids[0] == ids[2] != ids[3] and (ids[[0, 3]] >= 0).all()
+    assert ids[0] == int.from_bytes(hashlib.blake2b(b"s0", digest_size=8).digest(), "little") >> 1
+    batch = rows(GAMES, "transition")
+    expected = gigpo(batch, 0.5)
+    batch.pop("call_state_ids")
+    assert torch.equal(gigpo(batch, 0.5), expected)
+
+
+def test_dense_ids_number_keys_as_unique_does():
+    key = torch.tensor([7, 3, 7, 0, 3, 9])
+    for size in (10, 10**6):  # a presence table, a sort
+        ids, n = T.dense_ids(key, size)
+        assert ids.tolist() == torch.unique(key, return_inverse=True)[1].tolist() and n == 4
+
+
+def test_calls_in_order_and_shuffled_rows_credit_alike():
+    """call_ranks skips its sort when the calls come in order; rows given in another order give each call the
+    same advantage."""
+    batch = rows(GAMES, "transition")
+    shuffled = batch.select([6, 2, 0, 5, 1, 4, 3])
+    for estimator in (lambda b: gigpo(b, 0.5), lambda b: turn_grpo(b, 0.5)):
+        assert per_call(shuffled, estimator(shuffled)) == approx(per_call(batch, estimator(batch)))
+
+
+def test_calls_out_of_turn_order_in_a_row_are_an_error():
+    batch = rows(GAMES, "trajectory")
+    turns = batch["call_turns"].copy()
+    turns[1, :3] = turns[1, [1, 0, 2]]
+    batch["call_turns"] = turns
+    with pytest.raises(ValueError, match=r"row 1: call_turns lists its calls out of turn order"):
         gigpo(batch, 1.0)

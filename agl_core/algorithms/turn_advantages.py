@@ -21,7 +21,7 @@ import torch
 
 from agl_core.algorithms.advantages import _group_mean_std, group_ids
 
-__all__ = ["call_ranks", "dense_ids", "discounted_returns", "gigpo", "group_normalized",
+__all__ = ["call_ranks", "dense_ids", "discounted_returns", "gigpo", "group_normalized", "keyed_calls",
            "per_call_rewards", "to_tokens", "turn_grpo"]
 
 
@@ -128,14 +128,23 @@ def gigpo(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor, episo
     n_groups = int(episode_group.max()) + 1 if n_rollouts else 0
     episode = group_normalized(episode_return, episode_group, n_groups, norm_by_std, epsilon, singleton="grpo")
     advantage = episode[rollout]
-    keyed = state_group >= 0
-    if bool(keyed.any()):
+    keyed = keyed_calls(state_group)
+    if keyed is not None:
         returns = discounted_returns(reward, rollout, rank, n_rollouts, length, gamma)
         states = state_group[keyed]
         step = group_normalized(returns[keyed], states, int(states.max()) + 1, norm_by_std, epsilon,
                                 singleton="zero")
-        advantage = advantage.index_add(0, keyed.nonzero(as_tuple=True)[0], step_weight * step)
+        advantage[keyed] += step_weight * step
     return advantage
+
+
+def keyed_calls(state: torch.Tensor) -> torch.Tensor | slice | None:
+    """The calls with a state (``state >= 0``) as an index: ``slice(None)`` when that is all of them (a view,
+    where a boolean mask would copy), None when none."""
+    keyed = state >= 0
+    if bool(keyed.all()):
+        return slice(None)
+    return keyed if bool(keyed.any()) else None
 
 
 def turn_grpo(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor, turn_group: torch.Tensor,
@@ -155,8 +164,11 @@ def to_tokens(call_advantage: torch.Tensor, call_slot: torch.Tensor, token_slot:
 
     Calls and tokens meet in a table of ``n_slots`` slots: ``call_slot`` (K,)
     is each call's slot, ``token_slot`` (B, T) each token's (its call's); a
-    token on a slot no call holds (one no call generated) gets 0. One gather.
+    token on a slot no call holds (one no call generated) gets 0. One gather
+    and one product, in NumPy: single passes with no thread hand-off (CPU tensors).
     """
     table = torch.zeros(n_slots, dtype=torch.float32)
     table[call_slot] = call_advantage.to(torch.float32)
-    return table[token_slot] * response_mask
+    advantages = table.numpy().take(token_slot.numpy())
+    np.multiply(advantages, response_mask.numpy(), out=advantages)
+    return torch.from_numpy(advantages)

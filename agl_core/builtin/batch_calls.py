@@ -24,7 +24,7 @@ class BatchCalls:
 
     reward: torch.Tensor  # (K,) float64: ``call_rewards`` (the call's own, else its rollout's)
     own: torch.Tensor  # (K,) bool: the reward is the call's own
-    kl: torch.Tensor  # (K,) float64: the KL penalty in the reward on the call's tokens (0 without one)
+    kl: torch.Tensor | None  # (K,) float64: the KL penalty in the reward on the call's tokens; None: no penalty
     turn: torch.Tensor  # (K,) long: position in the trace
     rollout: torch.Tensor  # (K,) long: dense rollout id
     n_rollouts: int
@@ -73,8 +73,8 @@ def batch_calls(batch: Batch) -> BatchCalls:
         state = torch.full((n,), -1, dtype=torch.long)
         turn_ids = torch.where(mask.bool(), turn[:, None], -1).to(torch.int32)
     call_slot, token_slot, n_slots = _slots(call_turns, turn_ids.numpy())
-    kl = torch.zeros(len(turn), dtype=torch.float64)
-    if rewards.data_ptr() != scores.data_ptr() and len(turn):  # the KL penalty is in the reward
+    kl = None
+    if rewards.data_ptr() != scores.data_ptr():  # the KL penalty is in the reward
         penalty = np.bincount(token_slot.ravel(), (rewards - scores).to(torch.float64).numpy().ravel(), n_slots)
         kl = torch.from_numpy(penalty[call_slot])
     rollout_of_row, n_rollouts = group_ids(batch["rollout_id"])
@@ -98,32 +98,38 @@ def _slots(call_turns: np.ndarray, turn_ids: np.ndarray) -> tuple[np.ndarray, np
     ints, each cheaper than a torch op's dispatch and thread hand-off.
     """
     valid = call_turns >= 0
-    n = call_turns.shape[0]
-    first = np.where(valid, call_turns, np.iinfo(np.int64).max).min(1, initial=np.iinfo(np.int64).max)
-    first[first == np.iinfo(np.int64).max] = 0  # a row without calls
-    last = call_turns.max(1, initial=-1)
+    n, width_of_row = call_turns.shape
+    first = call_turns[:, 0].clip(0)  # a row's calls are in turn order; a row without calls has none
     offset = call_turns - first[:, None]
-    width = int(offset[valid].max()) + 1 if valid.any() else 1
+    width = int(offset.max(initial=0)) + 1
     call_slot = (offset + (np.arange(n) * width)[:, None])[valid]
     n_slots = n * width + 1
-    on_call = turn_ids >= 0
-    token_slot = np.where(on_call, turn_ids + (np.arange(n) * width - first)[:, None], n_slots - 1)
-    # Every token's turn must be one of its row's calls: within [first, last], and where a row's calls skip a
-    # turn, not on a skipped one.
-    lowest = np.where(on_call, turn_ids, np.iinfo(turn_ids.dtype).max).min(1, initial=np.iinfo(turn_ids.dtype).max)
-    gaps = (offset[:, :1] + np.arange(call_turns.shape[1]) != offset) & valid
-    if (turn_ids.max(1, initial=-1) > last).any() or (lowest < first).any() or gaps.any():
-        _check_listed(call_turns, turn_ids, on_call, token_slot, call_slot, n_slots, first, width)
+    token_slot = turn_ids + (np.arange(n) * width - first)[:, None]
+    np.copyto(token_slot, n_slots - 1, where=turn_ids < 0)
+    # Every token's turn must be one of its row's calls: within [first, last] (read as unsigned, the -1 of
+    # the tokens no call generated is the largest value, out of the minimum's way), and where a row's calls
+    # skip a turn, not on a skipped one; and calls in turn order.
+    unsigned = turn_ids.view(f"u{turn_ids.itemsize}")
+    if ((turn_ids.max(1, initial=-1) > call_turns.max(1, initial=-1)).any()
+            or (unsigned.min(1, initial=np.iinfo(unsigned.dtype).max) < first).any()
+            or ((offset != np.arange(width_of_row)) & valid).any()):
+        _check_listed(call_turns, turn_ids, token_slot, call_slot, n_slots, first, width)
     return call_slot, token_slot, n_slots
 
 
-def _check_listed(call_turns, turn_ids, on_call, token_slot, call_slot, n_slots, first, width) -> None:
-    """Raise a ValueError naming the first row with a token whose turn id is none of its row's calls."""
+def _check_listed(call_turns, turn_ids, token_slot, call_slot, n_slots, first, width) -> None:
+    """Raise a ValueError naming the first row with a token whose turn id is none of its row's calls, or whose
+    calls are out of turn order."""
+    order = np.diff(call_turns, axis=1) <= 0
+    unordered = np.flatnonzero((order & (call_turns[:, 1:] >= 0)).any(1))
+    if len(unordered):
+        raise ValueError(f"row {int(unordered[0])}: call_turns lists its calls out of turn order "
+                         f"({call_turns[unordered[0]].tolist()})")
     relative = turn_ids - first[:, None]
     inside = (relative >= 0) & (relative < width)
     listed = np.zeros(n_slots, dtype=bool)
     listed[call_slot] = True
-    missing = on_call & ~(inside & listed[np.where(inside, token_slot, n_slots - 1)])
+    missing = (turn_ids >= 0) & ~(inside & listed[np.where(inside, token_slot, n_slots - 1)])
     if missing.any():
         bad_row = int(np.flatnonzero(missing.any(1))[0])
         raise ValueError(f"row {bad_row}: turn_ids names a call that call_turns does not list "

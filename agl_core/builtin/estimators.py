@@ -79,8 +79,8 @@ def _step_inputs(batch):
     """The calls of ``batch``, their ranks within their rollouts, and their rewards r_t (KL penalty included)."""
     calls = batch_calls.batch_calls(batch)
     rank, length = T.call_ranks(calls.rollout, calls.turn)
-    reward = T.per_call_rewards(calls.reward, calls.own, calls.rollout, rank, calls.n_rollouts) + calls.kl
-    return calls, rank, length, reward
+    reward = T.per_call_rewards(calls.reward, calls.own, calls.rollout, rank, calls.n_rollouts)
+    return calls, rank, length, reward if calls.kl is None else reward + calls.kl
 
 
 def _report(ctx, metrics: dict[str, float]) -> None:
@@ -90,16 +90,17 @@ def _report(ctx, metrics: dict[str, float]) -> None:
 
 def _gigpo(batch, config, ctx=None, *, settings: GiGPOConfig):
     calls, rank, length, reward = _step_inputs(batch)
-    keyed = calls.state >= 0
     # A step group: the calls of one group (task) made in one state (equal state ids).
-    states, state = torch.unique(calls.state[keyed], return_inverse=True)
-    state_group = torch.full_like(calls.state, -1)
-    state_group[keyed], n_states = T.dense_ids(calls.group[keyed] * len(states) + state,
-                                               _n_groups(calls) * len(states))
+    keyed = T.keyed_calls(calls.state)
+    state_group, n_states, n_keyed = torch.full_like(calls.state, -1), 0, 0
+    if keyed is not None:
+        states, state = torch.unique(calls.state[keyed], return_inverse=True)
+        state_group[keyed], n_states = T.dense_ids(calls.group[keyed] * len(states) + state,
+                                                   _n_groups(calls) * len(states))
+        n_keyed = len(state)
     advantage = T.gigpo(reward, calls.rollout, rank, calls.rollout_group, state_group, calls.n_rollouts, length,
                         config.gamma, step_weight=settings.step_weight, norm_by_std=settings.mode == "mean_std_norm",
                         epsilon=settings.epsilon)
-    n_keyed = len(state)
     _report(ctx, {"advantage/calls": float(len(reward)), "advantage/calls_with_state_key": float(n_keyed),
                   "advantage/step_group_size_mean": n_keyed / n_states if n_states else 0.0,
                   "advantage/rollouts_outcome_only": float(calls.n_rollouts - _rollouts_with_own(calls))})
