@@ -95,7 +95,7 @@ def group_normalized(values: torch.Tensor, gid: torch.Tensor, n_groups: int, nor
     A group of one: ``singleton="grpo"`` takes mean 0 and std 1 (verl's GRPO, GiGPO's episode groups: the value
     itself); ``"zero"`` takes its own value as the mean (GiGPO's step groups: advantage 0).
     """
-    count, mean, std = _group_mean_std(values, gid, n_groups)
+    count, mean, std = _group_mean_std(values, gid, n_groups, with_std=norm_by_std)
     alone = count == 1
     if singleton == "grpo":
         mean = mean.masked_fill(alone, 0.0)
@@ -170,5 +170,5 @@ def to_tokens(call_advantage: torch.Tensor, call_slot: torch.Tensor, token_slot:
     table = torch.zeros(n_slots, dtype=torch.float32)
     table[call_slot] = call_advantage.to(torch.float32)
     advantages = table.numpy().take(token_slot.numpy())
-    np.multiply(advantages, response_mask.numpy(), out=advantages)
+    np.multiply(advantages, response_mask.numpy(), out=advantages, dtype=np.float32)
     return torch.from_numpy(advantages)

@@ -24,6 +24,7 @@ T = LazyModule("agl_core.algorithms.turn_advantages", globals(), "T")
 batch_calls = LazyModule("agl_core.builtin.batch_calls", globals())
 losses = LazyModule("agl_core.algorithms.losses", globals())
 torch = LazyModule("torch", globals())
+np = LazyModule("numpy", globals())
 
 
 class GiGPOConfig(BaseModel):
@@ -94,8 +95,8 @@ def _gigpo(batch, config, ctx=None, *, settings: GiGPOConfig):
     keyed = T.keyed_calls(calls.state)
     state_group, n_states, n_keyed = torch.full_like(calls.state, -1), 0, 0
     if keyed is not None:
-        states, state = torch.unique(calls.state[keyed], return_inverse=True)
-        state_group[keyed], n_states = T.dense_ids(calls.group[keyed] * len(states) + state,
+        states, state = np.unique(calls.state[keyed].numpy(), return_inverse=True)  # NumPy's sort: the faster
+        state_group[keyed], n_states = T.dense_ids(calls.group[keyed] * len(states) + torch.from_numpy(state),
                                                    _n_groups(calls) * len(states))
         n_keyed = len(state)
     advantage = T.gigpo(reward, calls.rollout, rank, calls.rollout_group, state_group, calls.n_rollouts, length,
