@@ -9,7 +9,8 @@ Shapes used throughout:
     K  calls in the batch, in any order; ``rank`` (:func:`call_ranks`) orders those of one rollout.
     B, T  rows and response tokens, as in :mod:`agl_core.algorithms.advantages`.
 
-Groups are dense ids (:func:`~agl_core.algorithms.advantages.group_ids`). The
+Groups are dense ids (:func:`~agl_core.algorithms.advantages.group_ids` of strings,
+:func:`dense_ids` of integer keys). The
 group statistics are those of GRPO (:func:`~agl_core.algorithms.advantages._group_mean_std`:
 unbiased std, exact on groups of equal values).
 """
@@ -22,7 +23,7 @@ import torch
 from agl_core.algorithms.advantages import _group_mean_std, group_ids
 
 __all__ = ["call_ranks", "dense_ids", "discounted_returns", "gigpo", "group_normalized", "keyed_calls",
-           "per_call_rewards", "to_tokens", "turn_grpo"]
+           "per_call_rewards", "rollouts_with_own", "to_tokens", "turn_grpo"]
 
 
 def call_ranks(rollout: torch.Tensor, turn: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -68,10 +69,17 @@ def per_call_rewards(call_reward: torch.Tensor, own: torch.Tensor, rollout: torc
     which all hold the rollout's) on its last call, 0 on the others.
     """
     call_reward = call_reward.to(torch.float64)
-    has_own = torch.zeros(n_rollouts, dtype=torch.bool).index_put_((rollout,), own, accumulate=True)
+    has_own = rollouts_with_own(own, rollout, n_rollouts)
+    if bool(has_own.all()):  # the common case: no rollout falls back
+        return torch.where(own, call_reward, 0.0)
     last = torch.full((n_rollouts,), -1, dtype=torch.long).scatter_reduce(0, rollout, rank, "amax")
     fallback = ~has_own[rollout] & (rank == last[rollout])
     return torch.where(own | fallback, call_reward, 0.0)
+
+
+def rollouts_with_own(own: torch.Tensor, rollout: torch.Tensor, n_rollouts: int) -> torch.Tensor:
+    """(n_rollouts,) bool: the rollouts with at least one call that has its own reward (``own`` (K,) bool)."""
+    return torch.zeros(n_rollouts, dtype=torch.bool).scatter_reduce_(0, rollout, own, "amax")
 
 
 def discounted_returns(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor, n_rollouts: int,
@@ -142,9 +150,9 @@ def keyed_calls(state: torch.Tensor) -> torch.Tensor | slice | None:
     """The calls with a state (``state >= 0``) as an index: ``slice(None)`` when that is all of them (a view,
     where a boolean mask would copy), None when none."""
     keyed = state >= 0
-    if bool(keyed.all()):
-        return slice(None)
-    return keyed if bool(keyed.any()) else None
+    if not bool(keyed.any()):
+        return None
+    return slice(None) if bool(keyed.all()) else keyed
 
 
 def turn_grpo(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor, turn_group: torch.Tensor,

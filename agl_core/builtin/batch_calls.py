@@ -56,7 +56,7 @@ def batch_calls(batch: Batch) -> BatchCalls:
     if "call_turns" in batch and "turn_ids" in batch:
         call_turns = batch["call_turns"]
         valid = call_turns >= 0  # boolean indexing reads the calls row by row, each row's in call order
-        row = np.repeat(np.arange(n), valid.sum(1))
+        calls_per_row = valid.sum(1)
         turn = torch.from_numpy(call_turns[valid])
         reward = torch.from_numpy(batch["call_rewards"][valid].astype(np.float64, copy=False))
         own = torch.from_numpy(batch["call_reward_sources"][valid] == REWARD_FROM_CALL)
@@ -64,7 +64,7 @@ def batch_calls(batch: Batch) -> BatchCalls:
                                  else state_key_ids(batch["call_state_keys"][valid]))
         turn_ids = batch["turn_ids"]
     else:
-        row = np.arange(n)
+        calls_per_row = np.ones(n, dtype=np.int64)
         turn = torch.from_numpy(np.asarray(batch["turn_index"], dtype=np.int64)) if "turn_index" in batch \
             else torch.zeros(n, dtype=torch.long)
         call_turns = turn.numpy()[:, None]
@@ -82,9 +82,11 @@ def batch_calls(batch: Batch) -> BatchCalls:
     first_row = torch.full((n_rollouts,), n, dtype=torch.long).scatter_reduce(0, rollout_of_row, torch.arange(n),
                                                                                "amin")
     rollout_group, _ = group_ids(np.asarray(batch["uid"])[first_row.numpy()])
-    rollout = rollout_of_row[torch.from_numpy(row)]
+    # Each row's rollout and group, repeated for its calls: NumPy's repeat, cheaper than a gather per call.
+    rollout = torch.from_numpy(np.repeat(rollout_of_row.numpy(), calls_per_row))
+    group = torch.from_numpy(np.repeat(rollout_group[rollout_of_row].numpy(), calls_per_row))
     return BatchCalls(reward=reward, own=own, kl=kl, turn=turn, rollout=rollout, n_rollouts=n_rollouts,
-                      group=rollout_group[rollout], rollout_group=rollout_group, state=state,
+                      group=group, rollout_group=rollout_group, state=state,
                       call_slot=torch.from_numpy(call_slot), token_slot=torch.from_numpy(token_slot), n_slots=n_slots)
 
 

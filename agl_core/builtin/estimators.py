@@ -115,8 +115,7 @@ def _n_groups(calls) -> int:
 
 def _rollouts_with_own(calls) -> int:
     """Rollouts with at least one call that has its own reward (the others fall back to their outcome)."""
-    return int(torch.zeros(calls.n_rollouts, dtype=torch.bool).index_put_((calls.rollout,), calls.own,
-                                                                           accumulate=True).sum())
+    return int(T.rollouts_with_own(calls.own, calls.rollout, calls.n_rollouts).sum())
 
 
 def _turn_grpo(batch, config, ctx=None):
