@@ -86,14 +86,14 @@ def discounted_returns(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.
                        length: int, gamma: float) -> torch.Tensor:
     """Returns-to-go ``G_t = r_t + gamma * G_{t+1}`` along each rollout's calls (by ``rank``), (K,).
 
-    Laid out as a (rollouts, length) matrix and scanned backwards over its
-    columns: ``length`` vector steps, however many rollouts.
+    Laid out as a (length, rollouts) matrix and scanned backwards over its
+    rows (contiguous): ``length`` vector steps, however many rollouts.
     """
-    rewards = reward.new_zeros(n_rollouts, length + 1)
-    rewards[rollout, rank] = reward
+    rewards = reward.new_zeros(length + 1, n_rollouts)
+    rewards[rank, rollout] = reward
     for t in reversed(range(length)):
-        rewards[:, t] += gamma * rewards[:, t + 1]
-    return rewards[rollout, rank]
+        rewards[t] += gamma * rewards[t + 1]
+    return rewards[rank, rollout]
 
 
 def group_normalized(values: torch.Tensor, gid: torch.Tensor, n_groups: int, norm_by_std: bool,
