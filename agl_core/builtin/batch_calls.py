@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from agl_core.algorithms.advantages import group_ids
+from agl_core.algorithms.turn_advantages import call_ranks
 from agl_core.data import REWARD_FROM_CALL, Batch, state_key_ids
 
 
@@ -26,6 +27,8 @@ class BatchCalls:
     own: torch.Tensor  # (K,) bool: the reward is the call's own
     kl: torch.Tensor | None  # (K,) float64: the KL penalty in the reward on the call's tokens; None: no penalty
     turn: torch.Tensor  # (K,) long: position in the trace
+    rank: torch.Tensor  # (K,) long: the call's rank among its rollout's calls by turn (0: the first in the batch)
+    length: int  # the most calls of one rollout
     rollout: torch.Tensor  # (K,) long: dense rollout id
     n_rollouts: int
     group: torch.Tensor  # (K,) long: dense id of the call's group (its row's ``uid``)
@@ -85,7 +88,14 @@ def batch_calls(batch: Batch) -> BatchCalls:
     # Each row's rollout and group, repeated for its calls: NumPy's repeat, cheaper than a gather per call.
     rollout = torch.from_numpy(np.repeat(rollout_of_row.numpy(), calls_per_row))
     group = torch.from_numpy(np.repeat(rollout_group[rollout_of_row].numpy(), calls_per_row))
-    return BatchCalls(reward=reward, own=own, kl=kl, turn=turn, rollout=rollout, n_rollouts=n_rollouts,
+    if n_rollouts == n:  # a row per rollout (merged trajectories): a call's rank is its place in its row
+        rank = torch.from_numpy(np.arange(len(turn)) - np.repeat(np.cumsum(calls_per_row) - calls_per_row,
+                                                                  calls_per_row))
+        length = int(calls_per_row.max(initial=0))
+    else:
+        rank, length = call_ranks(rollout, turn)
+    return BatchCalls(reward=reward, own=own, kl=kl, turn=turn, rank=rank, length=length, rollout=rollout,
+                      n_rollouts=n_rollouts,
                       group=group, rollout_group=rollout_group, state=state,
                       call_slot=torch.from_numpy(call_slot), token_slot=torch.from_numpy(token_slot), n_slots=n_slots)
 

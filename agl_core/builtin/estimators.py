@@ -79,9 +79,8 @@ def _remax(batch, config):
 def _step_inputs(batch):
     """The calls of ``batch``, their ranks within their rollouts, and their rewards r_t (KL penalty included)."""
     calls = batch_calls.batch_calls(batch)
-    rank, length = T.call_ranks(calls.rollout, calls.turn)
-    reward = T.per_call_rewards(calls.reward, calls.own, calls.rollout, rank, calls.n_rollouts)
-    return calls, rank, length, reward if calls.kl is None else reward + calls.kl
+    reward = T.per_call_rewards(calls.reward, calls.own, calls.rollout, calls.rank, calls.n_rollouts)
+    return calls, calls.rank, calls.length, reward if calls.kl is None else reward + calls.kl
 
 
 def _report(ctx, metrics: dict[str, float]) -> None:
