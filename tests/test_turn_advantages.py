@@ -216,38 +216,23 @@ def test_a_token_of_a_call_the_row_does_not_list_is_an_error():
         gigpo(batch, 1.0)
 
 
-def test_state_key_ids_are_a_stable_digest_and_rows_with_keys_only_group_alike():
-    """The ids are the same in every process (a digest, not Python's salted hash); rows that carry only
-    ``call_state_keys`` (an aggregator of the older contract) get the ids from the keys, with the same result."""
-    ids = state_key_ids(["s0", None, "s0", "s1"])
-    assert ids.dtype == np.int64 and ids[1] == -1 and ids[0] == ids[2] != ids[3] and (ids[[0, 3]] >= 0).all()
-    assert ids[0] == int.from_bytes(hashlib.blake2b(b"s0", digest_size=8).digest(), "little") >> 1
-    batch = rows(GAMES, "transition")
-    expected = gigpo(batch, 0.5)
-    batch.pop("call_state_ids")
-    assert torch.equal(gigpo(batch, 0.5), expected)
-
-
-def test_dense_ids_number_keys_as_unique_does():
-    key = torch.tensor([7, 3, 7, 0, 3, 9])
-    for size in (10, 10**6):  # a presence table, a sort
-        ids, n = T.dense_ids(key, size)
-        assert ids.tolist() == torch.unique(key, return_inverse=True)[1].tolist() and n == 4
-
-
-def test_calls_in_order_and_shuffled_rows_credit_alike():
-    """call_ranks skips its sort when the calls come in order; rows given in another order give each call the
-    same advantage."""
-    batch = rows(GAMES, "transition")
-    shuffled = batch.select([6, 2, 0, 5, 1, 4, 3])
-    for estimator in (lambda b: gigpo(b, 0.5), lambda b: turn_grpo(b, 0.5)):
-        assert per_call(shuffled, estimator(shuffled)) == approx(per_call(batch, estimator(batch)))
-
-
-def test_calls_out_of_turn_order_in_a_row_are_an_error():
-    batch = rows(GAMES, "trajectory")
-    turns = batch["call_turns"].copy()
-    turns[1, :3] = turns[1, [1, 0, 2]]
-    batch["call_turns"] = turns
-    with pytest.raises(ValueError, match=r"row 1: call_turns lists its calls out of turn order"):
-        gigpo(batch, 1.0)
+def test_the_estimators_run_on_one_thread_and_give_the_threads_back(monkeypatch):
+    """Their per-call vectors are too short for intra-op threads to pay; the process's setting is restored after
+    each call, also after an error."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen, real = [], T.gigpo
+        monkeypatch.setattr(T, "gigpo",
+                            lambda *args, **kwargs: seen.append(torch.get_num_threads()) or real(*args, **kwargs))
+        gigpo(rows(GAMES, "trajectory"), 1.0)
+        assert seen == [1] and torch.get_num_threads() == 2
+        batch = rows(GAMES, "trajectory")
+        turn_ids = batch["turn_ids"].clone()
+        turn_ids[1, 0] = 7
+        batch["turn_ids"] = turn_ids
+        with pytest.raises(ValueError):
+            turn_grpo(batch, 1.0)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

@@ -8,6 +8,7 @@ which report their groups in the step's metrics.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Literal
 
@@ -76,6 +77,19 @@ def _remax(batch, config):
     return A.remax(batch["token_level_rewards"], batch["reward_baselines"], batch["response_mask"])
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """torch's intra-op parallelism off for the step-level math: its vectors hold one entry per call (32,768 for
+    4,096 rollouts of 8 turns), too short for handing work to a second thread to pay; on 2 threads every such op
+    paid the hand-off and the estimators took twice as long. Restored after, also on an error."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _step_inputs(batch):
     """The calls of ``batch``, their ranks within their rollouts, and their rewards r_t (KL penalty included)."""
     calls = batch_calls.batch_calls(batch)
@@ -89,6 +103,11 @@ def _report(ctx, metrics: dict[str, float]) -> None:
 
 
 def _gigpo(batch, config, ctx=None, *, settings: GiGPOConfig):
+    with _one_thread():
+        return _gigpo_advantages(batch, config, ctx, settings)
+
+
+def _gigpo_advantages(batch, config, ctx, settings: GiGPOConfig):
     calls, rank, length, reward = _step_inputs(batch)
     # A step group: the calls of one group (task) made in one state (equal state ids).
     keyed = T.keyed_calls(calls.state)
@@ -118,6 +137,11 @@ def _rollouts_with_own(calls) -> int:
 
 
 def _turn_grpo(batch, config, ctx=None):
+    with _one_thread():
+        return _turn_grpo_advantages(batch, config, ctx)
+
+
+def _turn_grpo_advantages(batch, config, ctx):
     calls, rank, length, reward = _step_inputs(batch)
     turn_group, _ = T.dense_ids(calls.group * length + rank, _n_groups(calls) * length)  # a task's t-th calls
     advantage = T.turn_grpo(reward, calls.rollout, rank, turn_group, calls.n_rollouts, length, config.gamma,
