@@ -70,7 +70,7 @@ and the plugin's minor number may not be newer than the core's. 1.1 added
 ``register_actor_transforms`` and ``export_model``; 1.2 added the ``settings``
 argument of the ``register_*`` hooks; 1.3 added the ``ctx`` argument of
 estimators and the per-call columns of the aggregators' rows (``turn_ids``,
-``call_turns``, ``call_rewards``, ``call_reward_sources``, ``call_state_keys``)."""
+``call_turns``, ``call_rewards``, ``call_reward_sources``, ``call_state_keys``, ``call_state_ids``)."""
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 
@@ -159,8 +159,8 @@ def register_estimators(register: Callable[..., None], settings: BaseModel | Non
     uninterrupted one does. ``batch.meta["aggregator"]`` names the aggregator
     that made the rows (``transition``, ``trajectory``). Step-level
     estimators read the per-call columns (``turn_ids``, ``call_turns``,
-    ``call_rewards``, ``call_reward_sources``, ``call_state_keys``:
-    :data:`agl_core.data.CALL_COLUMNS`, docs/hooks.md).
+    ``call_rewards``, ``call_reward_sources``, ``call_state_keys``,
+    ``call_state_ids``: :data:`agl_core.data.CALL_COLUMNS`, docs/hooks.md).
 
     ``settings`` (every ``register_*`` hook has it) is this plugin's validated
     recipe section (the model of its ``plugin_config_schema``), or ``None``

@@ -479,11 +479,13 @@ def test_the_per_call_columns_follow_their_rows():
     batch = Batch(tensors={"turn_ids": torch.tensor([[0, 1], [2, -1], [0, 0]], dtype=torch.int32)},
                   non_tensors={"call_turns": turns, "call_rewards": np.where(turns >= 0, 0.5, np.nan),
                                "call_reward_sources": np.where(turns >= 0, "call", ""),
-                               "call_state_keys": np.array([["a", None], ["b", None], [None, None]], dtype=object)})
+                               "call_state_keys": np.array([["a", None], ["b", None], [None, None]], dtype=object),
+                               "call_state_ids": np.where(turns >= 0, 7, -1)})
     assert set(CALL_COLUMNS) <= set(batch.keys())
     picked = batch.select([2, 0])
     assert picked["call_turns"].tolist() == [[0, -1], [0, 1]] and picked["turn_ids"].tolist() == [[0, 0], [0, 1]]
     assert picked["call_state_keys"].tolist() == [[None, None], ["a", None]]
+    assert picked["call_state_ids"].tolist() == [[7, -1], [7, 7]]
     padded, pad = batch.pad_to_divisor(2)
     assert pad == 1 and padded.unpad(pad)["call_reward_sources"].tolist() == batch["call_reward_sources"].tolist()
     both = Batch.concat([batch, batch])

@@ -1,5 +1,6 @@
 """Step-level advantages (gigpo, turn_grpo) on hand-computed batches, through both aggregators' real rows."""
 
+import hashlib
 import math
 
 import numpy as np
@@ -14,7 +15,7 @@ from agl_core.algorithms import turn_advantages as T
 from agl_core.builtin import estimators as E
 from agl_core.components import Component, call_estimator
 from agl_core.config import AlgorithmConfig
-from agl_core.data import Rollout, Span
+from agl_core.data import CALL_COLUMNS, Rollout, Span, state_key_ids
 
 
 def game(rollout_id, task_id, rewards, keys, final_reward=1.0):
@@ -159,7 +160,7 @@ def test_the_kl_penalty_on_a_calls_tokens_is_part_of_its_reward():
 def test_rows_without_per_call_columns_are_one_call_each():
     """An aggregator that writes no per-call columns: each row is one call with its row's reward."""
     batch = rows(GAMES, "transition")
-    for column in ("turn_ids", "call_turns", "call_rewards", "call_reward_sources", "call_state_keys"):
+    for column in ("turn_ids", *CALL_COLUMNS):
         batch.pop(column)
     got = turn_grpo(batch, 1.0)
     assert got.shape == batch["responses"].shape and torch.isfinite(got).all()
@@ -213,3 +214,25 @@ def test_a_token_of_a_call_the_row_does_not_list_is_an_error():
     batch["turn_ids"] = turn_ids
     with pytest.raises(ValueError, match=r"row 1: turn_ids names a call that call_turns does not list \(\[7\]\)"):
         gigpo(batch, 1.0)
+
+
+def test_the_estimators_run_on_one_thread_and_give_the_threads_back(monkeypatch):
+    """Their per-call vectors are too short for intra-op threads to pay; the process's setting is restored after
+    each call, also after an error."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen, real = [], T.gigpo
+        monkeypatch.setattr(T, "gigpo",
+                            lambda *args, **kwargs: seen.append(torch.get_num_threads()) or real(*args, **kwargs))
+        gigpo(rows(GAMES, "trajectory"), 1.0)
+        assert seen == [1] and torch.get_num_threads() == 2
+        batch = rows(GAMES, "trajectory")
+        turn_ids = batch["turn_ids"].clone()
+        turn_ids[1, 0] = 7
+        batch["turn_ids"] = turn_ids
+        with pytest.raises(ValueError):
+            turn_grpo(batch, 1.0)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

@@ -121,8 +121,8 @@ def _group_outcomes(
 
 
 def _group_mean_std(
-    scores: torch.Tensor, gid: torch.Tensor, n_groups: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    scores: torch.Tensor, gid: torch.Tensor, n_groups: int, with_std: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per-group count, mean and unbiased std (``torch.std``) of ``scores``.
 
     Args:
@@ -130,7 +130,8 @@ def _group_mean_std(
 
     Returns:
         ``(count, mean, std)``, each (G,) in ``scores.dtype``. ``std`` is NaN for groups
-        of one; callers apply verl's convention for those.
+        of one; callers apply verl's convention for those. ``with_std=False``: ``std`` is
+        None (not computed).
 
     Scores are shifted by their group maximum before summing, so a group whose scores
     are all equal gets exactly that score as mean and exactly 0 as std.
@@ -139,6 +140,8 @@ def _group_mean_std(
     count = torch.bincount(gid, minlength=n_groups).to(scores.dtype)
     shift = zeros.scatter_reduce(0, gid, scores, reduce="amax", include_self=False)
     mean = shift + zeros.index_add(0, gid, scores - shift[gid]) / count
+    if not with_std:
+        return count, mean, None
     sum_sq = zeros.index_add(0, gid, (scores - mean[gid]).square())
     std = (sum_sq / (count - 1)).sqrt()
     return count, mean, std

@@ -9,7 +9,8 @@ Shapes used throughout:
     K  calls in the batch, in any order; ``rank`` (:func:`call_ranks`) orders those of one rollout.
     B, T  rows and response tokens, as in :mod:`agl_core.algorithms.advantages`.
 
-Groups are dense ids (:func:`~agl_core.algorithms.advantages.group_ids`). The
+Groups are dense ids (:func:`~agl_core.algorithms.advantages.group_ids` of strings,
+:func:`dense_ids` of integer keys). The
 group statistics are those of GRPO (:func:`~agl_core.algorithms.advantages._group_mean_std`:
 unbiased std, exact on groups of equal values).
 """
@@ -21,8 +22,8 @@ import torch
 
 from agl_core.algorithms.advantages import _group_mean_std, group_ids
 
-__all__ = ["call_ranks", "discounted_returns", "gigpo", "group_normalized",
-           "per_call_rewards", "to_tokens", "turn_grpo"]
+__all__ = ["call_ranks", "dense_ids", "discounted_returns", "gigpo", "group_normalized", "keyed_calls",
+           "per_call_rewards", "rollouts_with_own", "to_tokens", "turn_grpo"]
 
 
 def call_ranks(rollout: torch.Tensor, turn: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -31,15 +32,31 @@ def call_ranks(rollout: torch.Tensor, turn: torch.Tensor) -> tuple[torch.Tensor,
     in the trace."""
     if rollout.numel() == 0:
         return torch.zeros(0, dtype=torch.long), 0
-    order = torch.argsort(rollout * (int(turn.max()) + 1) + turn)
-    sorted_rollout = rollout[order]
+    key = rollout * (int(turn.max()) + 1) + turn
+    # The aggregators list each rollout's calls together and in turn order: then the calls need no sort.
+    in_order = bool((key[1:] > key[:-1]).all())
+    order = None if in_order else torch.argsort(key)
+    sorted_rollout = rollout if order is None else rollout[order]
     starts = torch.ones_like(sorted_rollout, dtype=torch.bool)
     starts[1:] = sorted_rollout[1:] != sorted_rollout[:-1]
-    position = torch.arange(len(order))
+    position = torch.arange(len(key))
     first = torch.cummax(torch.where(starts, position, 0), 0).values  # where each call's rollout starts
-    rank = torch.empty_like(order)
-    rank[order] = position - first
+    rank = position - first
+    if order is not None:
+        rank = torch.empty_like(order).index_copy_(0, order, rank)
     return rank, int(rank.max()) + 1
+
+
+def dense_ids(key: torch.Tensor, size: int) -> tuple[torch.Tensor, int]:
+    """``(ids, n)``: the keys (K,) long in ``0..size-1`` numbered ``0..n-1`` in increasing order of key (what
+    ``torch.unique(key, return_inverse=True)`` numbers them), and n the distinct keys."""
+    if size > 4 * len(key) + 1024:  # a presence table would outweigh a sort
+        values, ids = torch.unique(key, return_inverse=True)
+        return ids, len(values)
+    present = torch.zeros(size, dtype=torch.bool)
+    present[key] = True
+    number = torch.cumsum(present, 0) - 1
+    return number[key], int(number[-1]) + 1 if size else 0
 
 
 def per_call_rewards(call_reward: torch.Tensor, own: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor,
@@ -52,24 +69,31 @@ def per_call_rewards(call_reward: torch.Tensor, own: torch.Tensor, rollout: torc
     which all hold the rollout's) on its last call, 0 on the others.
     """
     call_reward = call_reward.to(torch.float64)
-    has_own = torch.zeros(n_rollouts, dtype=torch.bool).index_put_((rollout,), own, accumulate=True)
+    has_own = rollouts_with_own(own, rollout, n_rollouts)
+    if bool(has_own.all()):  # the common case: no rollout falls back
+        return torch.where(own, call_reward, 0.0)
     last = torch.full((n_rollouts,), -1, dtype=torch.long).scatter_reduce(0, rollout, rank, "amax")
     fallback = ~has_own[rollout] & (rank == last[rollout])
     return torch.where(own | fallback, call_reward, 0.0)
+
+
+def rollouts_with_own(own: torch.Tensor, rollout: torch.Tensor, n_rollouts: int) -> torch.Tensor:
+    """(n_rollouts,) bool: the rollouts with at least one call that has its own reward (``own`` (K,) bool)."""
+    return torch.zeros(n_rollouts, dtype=torch.bool).scatter_reduce_(0, rollout, own, "amax")
 
 
 def discounted_returns(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor, n_rollouts: int,
                        length: int, gamma: float) -> torch.Tensor:
     """Returns-to-go ``G_t = r_t + gamma * G_{t+1}`` along each rollout's calls (by ``rank``), (K,).
 
-    Laid out as a (rollouts, length) matrix and scanned backwards over its
-    columns: ``length`` vector steps, however many rollouts.
+    Laid out as a (length, rollouts) matrix and scanned backwards over its
+    rows (contiguous): ``length`` vector steps, however many rollouts.
     """
-    rewards = reward.new_zeros(n_rollouts, length + 1)
-    rewards[rollout, rank] = reward
+    rewards = reward.new_zeros(length + 1, n_rollouts)
+    rewards[rank, rollout] = reward
     for t in reversed(range(length)):
-        rewards[:, t] += gamma * rewards[:, t + 1]
-    return rewards[rollout, rank]
+        rewards[t] += gamma * rewards[t + 1]
+    return rewards[rank, rollout]
 
 
 def group_normalized(values: torch.Tensor, gid: torch.Tensor, n_groups: int, norm_by_std: bool,
@@ -79,7 +103,7 @@ def group_normalized(values: torch.Tensor, gid: torch.Tensor, n_groups: int, nor
     A group of one: ``singleton="grpo"`` takes mean 0 and std 1 (verl's GRPO, GiGPO's episode groups: the value
     itself); ``"zero"`` takes its own value as the mean (GiGPO's step groups: advantage 0).
     """
-    count, mean, std = _group_mean_std(values, gid, n_groups)
+    count, mean, std = _group_mean_std(values, gid, n_groups, with_std=norm_by_std)
     alone = count == 1
     if singleton == "grpo":
         mean = mean.masked_fill(alone, 0.0)
@@ -112,14 +136,23 @@ def gigpo(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor, episo
     n_groups = int(episode_group.max()) + 1 if n_rollouts else 0
     episode = group_normalized(episode_return, episode_group, n_groups, norm_by_std, epsilon, singleton="grpo")
     advantage = episode[rollout]
-    keyed = state_group >= 0
-    if bool(keyed.any()):
+    keyed = keyed_calls(state_group)
+    if keyed is not None:
         returns = discounted_returns(reward, rollout, rank, n_rollouts, length, gamma)
         states = state_group[keyed]
         step = group_normalized(returns[keyed], states, int(states.max()) + 1, norm_by_std, epsilon,
                                 singleton="zero")
-        advantage = advantage.index_add(0, keyed.nonzero(as_tuple=True)[0], step_weight * step)
+        advantage[keyed] += step_weight * step
     return advantage
+
+
+def keyed_calls(state: torch.Tensor) -> torch.Tensor | slice | None:
+    """The calls with a state (``state >= 0``) as an index: ``slice(None)`` when that is all of them (a view,
+    where a boolean mask would copy), None when none."""
+    keyed = state >= 0
+    if not bool(keyed.any()):
+        return None
+    return slice(None) if bool(keyed.all()) else keyed
 
 
 def turn_grpo(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor, turn_group: torch.Tensor,
@@ -133,8 +166,17 @@ def turn_grpo(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor, t
     return group_normalized(returns, turn_group, n_groups, norm_by_std, epsilon, singleton="grpo")
 
 
-def to_tokens(call_advantage: torch.Tensor, token_call: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Per-token advantages (B, T): each token gets its call's advantage (``token_call`` (B, T): index of the
-    call in ``call_advantage``, -1 for a token no call generated, which gets 0), times ``response_mask``."""
-    values = torch.cat([call_advantage, call_advantage.new_zeros(1)])  # index -1 reads the trailing 0
-    return values[token_call].to(torch.float32) * response_mask
+def to_tokens(call_advantage: torch.Tensor, call_slot: torch.Tensor, token_slot: torch.Tensor, n_slots: int,
+              response_mask: torch.Tensor) -> torch.Tensor:
+    """Per-token advantages (B, T) float32: each token gets its call's advantage, times ``response_mask``.
+
+    Calls and tokens meet in a table of ``n_slots`` slots: ``call_slot`` (K,)
+    is each call's slot, ``token_slot`` (B, T) each token's (its call's); a
+    token on a slot no call holds (one no call generated) gets 0. One gather
+    and one product, in NumPy: single passes with no thread hand-off (CPU tensors).
+    """
+    table = torch.zeros(n_slots, dtype=torch.float32)
+    table[call_slot] = call_advantage.to(torch.float32)
+    advantages = table.numpy().take(token_slot.numpy())
+    np.multiply(advantages, response_mask.numpy(), out=advantages, dtype=np.float32)
+    return torch.from_numpy(advantages)

@@ -8,6 +8,7 @@ which report their groups in the step's metrics.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Literal
 
@@ -24,6 +25,7 @@ T = LazyModule("agl_core.algorithms.turn_advantages", globals(), "T")
 batch_calls = LazyModule("agl_core.builtin.batch_calls", globals())
 losses = LazyModule("agl_core.algorithms.losses", globals())
 torch = LazyModule("torch", globals())
+np = LazyModule("numpy", globals())
 
 
 class GiGPOConfig(BaseModel):
@@ -75,12 +77,24 @@ def _remax(batch, config):
     return A.remax(batch["token_level_rewards"], batch["reward_baselines"], batch["response_mask"])
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """torch's intra-op parallelism off for the step-level math: its vectors hold one entry per call (32,768 for
+    4,096 rollouts of 8 turns), too short for handing work to a second thread to pay; on 2 threads every such op
+    paid the hand-off and the estimators took twice as long. Restored after, also on an error."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _step_inputs(batch):
     """The calls of ``batch``, their ranks within their rollouts, and their rewards r_t (KL penalty included)."""
     calls = batch_calls.batch_calls(batch)
-    rank, length = T.call_ranks(calls.rollout, calls.turn)
-    reward = T.per_call_rewards(calls.reward, calls.own, calls.rollout, rank, calls.n_rollouts) + calls.kl
-    return calls, rank, length, reward
+    reward = T.per_call_rewards(calls.reward, calls.own, calls.rollout, calls.rank, calls.n_rollouts)
+    return calls, calls.rank, calls.length, reward if calls.kl is None else reward + calls.kl
 
 
 def _report(ctx, metrics: dict[str, float]) -> None:
@@ -89,37 +103,52 @@ def _report(ctx, metrics: dict[str, float]) -> None:
 
 
 def _gigpo(batch, config, ctx=None, *, settings: GiGPOConfig):
+    with _one_thread():
+        return _gigpo_advantages(batch, config, ctx, settings)
+
+
+def _gigpo_advantages(batch, config, ctx, settings: GiGPOConfig):
     calls, rank, length, reward = _step_inputs(batch)
-    keyed = calls.state >= 0
-    # A step group: the calls of one group (task) made in one state.
-    state_group = torch.full_like(calls.state, -1)
-    state_group[keyed] = torch.unique(calls.group[keyed] * (int(calls.state.max()) + 1) + calls.state[keyed],
-                                      return_inverse=True)[1]
+    # A step group: the calls of one group (task) made in one state (equal state ids).
+    keyed = T.keyed_calls(calls.state)
+    state_group, n_states, n_keyed = torch.full_like(calls.state, -1), 0, 0
+    if keyed is not None:
+        states, state = np.unique(calls.state[keyed].numpy(), return_inverse=True)  # NumPy's sort: the faster
+        state_group[keyed], n_states = T.dense_ids(calls.group[keyed] * len(states) + torch.from_numpy(state),
+                                                   _n_groups(calls) * len(states))
+        n_keyed = len(state)
     advantage = T.gigpo(reward, calls.rollout, rank, calls.rollout_group, state_group, calls.n_rollouts, length,
                         config.gamma, step_weight=settings.step_weight, norm_by_std=settings.mode == "mean_std_norm",
                         epsilon=settings.epsilon)
-    n_keyed, n_states = int(keyed.sum()), int(state_group.max()) + 1
     _report(ctx, {"advantage/calls": float(len(reward)), "advantage/calls_with_state_key": float(n_keyed),
                   "advantage/step_group_size_mean": n_keyed / n_states if n_states else 0.0,
                   "advantage/rollouts_outcome_only": float(calls.n_rollouts - _rollouts_with_own(calls))})
-    advantages = T.to_tokens(advantage, calls.token_call, batch["response_mask"])
+    advantages = T.to_tokens(advantage, calls.call_slot, calls.token_slot, calls.n_slots, batch["response_mask"])
     return advantages, advantages
+
+
+def _n_groups(calls) -> int:
+    return int(calls.rollout_group.max()) + 1 if calls.n_rollouts else 0
 
 
 def _rollouts_with_own(calls) -> int:
     """Rollouts with at least one call that has its own reward (the others fall back to their outcome)."""
-    return int(torch.zeros(calls.n_rollouts, dtype=torch.bool).index_put_((calls.rollout,), calls.own,
-                                                                           accumulate=True).sum())
+    return int(T.rollouts_with_own(calls.own, calls.rollout, calls.n_rollouts).sum())
 
 
 def _turn_grpo(batch, config, ctx=None):
+    with _one_thread():
+        return _turn_grpo_advantages(batch, config, ctx)
+
+
+def _turn_grpo_advantages(batch, config, ctx):
     calls, rank, length, reward = _step_inputs(batch)
-    turn_group = torch.unique(calls.group * length + rank, return_inverse=True)[1]  # a task's t-th calls
+    turn_group, _ = T.dense_ids(calls.group * length + rank, _n_groups(calls) * length)  # a task's t-th calls
     advantage = T.turn_grpo(reward, calls.rollout, rank, turn_group, calls.n_rollouts, length, config.gamma,
                             norm_by_std=config.norm_adv_by_std_in_grpo)
     _report(ctx, {"advantage/calls": float(len(reward)),
                   "advantage/rollouts_outcome_only": float(calls.n_rollouts - _rollouts_with_own(calls))})
-    advantages = T.to_tokens(advantage, calls.token_call, batch["response_mask"])
+    advantages = T.to_tokens(advantage, calls.call_slot, calls.token_slot, calls.n_slots, batch["response_mask"])
     return advantages, advantages
 
 

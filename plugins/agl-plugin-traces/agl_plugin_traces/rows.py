@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from agl_core.data import REWARD_FROM_ROLLOUT, REWARD_SOURCE_DTYPE, Batch, LogProbs, TokenIds
+from agl_core.data import REWARD_FROM_ROLLOUT, REWARD_SOURCE_DTYPE, Batch, LogProbs, TokenIds, state_key_ids
 
 from agl_plugin_traces.reservation import Reservation
 
@@ -288,7 +288,7 @@ class RowBuilder:
         id), ``rollout_id``, ``turn_index`` (as given to :meth:`end`: the
         aggregators give the position in the trace of the row's first call),
         and the per-call columns ``call_turns``, ``call_rewards``,
-        ``call_reward_sources``, ``call_state_keys`` (see
+        ``call_reward_sources``, ``call_state_keys``, ``call_state_ids`` (see
         :data:`agl_core.data.CALL_COLUMNS`).
         """
         layout = self._layout()
@@ -338,8 +338,10 @@ class RowBuilder:
         sources[row, column] = np.array(self.call_reward_source, dtype=REWARD_SOURCE_DTYPE)[calls]
         keys = self.call_state_key
         state_keys[row, column] = np.fromiter((keys[i] for i in calls.tolist()), dtype=object, count=len(calls))
+        state_ids = np.full((n, width), -1, dtype=np.int64)
+        state_ids[row, column] = state_key_ids(state_keys[row, column])
         return {"call_turns": turns, "call_rewards": rewards, "call_reward_sources": sources,
-                "call_state_keys": state_keys}
+                "call_state_keys": state_keys, "call_state_ids": state_ids}
 
     # The tensors are allocated by torch and filled through NumPy views of them. NumPy would allocate
     # with madvise(MADV_HUGEPAGE), and where the kernel then compacts memory on page faults

@@ -1,9 +1,10 @@
-"""The per-call columns (turn_ids, call_turns, call_rewards, call_reward_sources, call_state_keys) of both aggregators."""
+"""The per-call columns of both aggregators (turn_ids, call_turns, call_rewards, call_reward_sources, call_state_keys,
+call_state_ids)."""
 
 import numpy as np
 import pytest
 
-from agl_core.data import Rollout, Span
+from agl_core.data import Rollout, Span, state_key_ids
 from agl_plugin_traces.calls import TraceCounts, rollout_calls, to_triplets
 from agl_plugin_traces.trajectory import trajectory_batch
 from agl_plugin_traces.transition import transition_batch
@@ -40,6 +41,7 @@ def test_a_merged_row_keeps_its_calls_apart(per_call_rewards):
     assert batch["call_rewards"].tolist() == [[0.5, 1.0, 1.0]]
     assert batch["call_reward_sources"].tolist() == [["call", "rollout", "rollout"]]
     assert batch["call_state_keys"].tolist() == [["1-7", None, "5-7"]]
+    assert batch["call_state_ids"].tolist() == [state_key_ids(["1-7", None, "5-7"]).tolist()]
 
 
 def test_transition_rows_carry_one_call_each():
@@ -49,6 +51,7 @@ def test_transition_rows_carry_one_call_each():
     assert batch["call_rewards"].tolist() == [[0.5], [1.0], [1.0]]
     assert batch["call_reward_sources"].tolist() == [["call"], ["rollout"], ["rollout"]]
     assert batch["call_state_keys"].tolist() == [["1-7"], [None], ["5-7"]]
+    assert batch["call_state_ids"].ravel().tolist() == state_key_ids(["1-7", None, "5-7"]).tolist()
     assert batch["turn_ids"].dtype.is_floating_point is False and batch["call_turns"].dtype == np.int64
 
 
@@ -62,6 +65,7 @@ def test_a_broken_prefix_makes_rows_of_different_call_counts_padded():
     assert rewards[1, 0] == -1.0 and np.isnan(rewards[1, 1:]).all()
     assert batch["call_reward_sources"][1].tolist() == ["call", "", ""]
     assert batch["call_state_keys"][1].tolist() == [None, None, None]
+    assert batch["call_state_ids"][1].tolist() == [-1, -1, -1] and batch["call_state_ids"].dtype == np.int64
 
 
 def test_a_call_cut_at_the_response_limit_stays_in_the_call_columns():
