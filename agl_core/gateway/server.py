@@ -65,7 +65,7 @@ from agl_core.http.rules import (INT64_MAX, RequestError, check_bearer, check_sa
                                  health_response, integer, parse_json_object, policy_token, read_body,
                                  require_token_off_loopback, token_from)
 from agl_core.http.limits import ServerLimits
-from agl_core.http.recordable import NotRecordable
+from agl_core.http.recordable import NotRecordable, dumps, loads
 from agl_core.http.server import ServerThread
 from agl_core.policies import route
 from agl_core.rollout.store import AttemptState, LeaseError, Store
@@ -563,13 +563,15 @@ def _as_chat(forwarded: Forwarded, plan: Plan | None,
     if plan is None or not plan.exact or forwarded.error is not None or forwarded.status >= 400:
         return forwarded, None
     try:
-        response = json.loads(forwarded.body)
+        response, plain = loads(forwarded.body)
     except ValueError:
         return forwarded, None  # not JSON: recorded and refused as any such answer
     if not isinstance(response, dict):
         return forwarded, None
     chat = chat_answer(response, plan)
-    return Forwarded(forwarded.status, json.dumps(as_asked(chat, request)).encode(), forwarded.tries), chat
+    answer = as_asked(chat, request)
+    raw = dumps(answer) if plain else json.dumps(answer).encode()  # NaN, Infinity as they came
+    return Forwarded(forwarded.status, raw, forwarded.tries), chat
 
 
 def _parsed(forwarded: Forwarded) -> tuple[Any, str | None]:
@@ -578,7 +580,7 @@ def _parsed(forwarded: Forwarded) -> tuple[Any, str | None]:
     error = forwarded.error
     if error is None:
         try:
-            response = json.loads(forwarded.body)
+            response, _ = loads(forwarded.body)
         except ValueError:
             error = f"the policy server answered {forwarded.status} with a body that is not JSON"
     if error is None and forwarded.status >= 400:

@@ -28,7 +28,8 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from agl_core.http.recordable import MAX_REQUEST_DEPTH, NotRecordable, check_json, deep_path
+from agl_core.http.recordable import (MAX_REQUEST_DEPTH, NotRecordable, check_json, deep_path, loads,
+                                      within_depth)
 
 INT64_MAX = 2**63 - 1
 
@@ -150,7 +151,7 @@ def parse_json_object(raw: bytes, max_depth: int = MAX_REQUEST_DEPTH) -> dict[st
     object, nested deeper than ``max_depth`` levels, or holding a lone surrogate (:mod:`agl_core.http.recordable`:
     what no store could record), the last two naming the path."""
     try:
-        body = json.loads(raw)
+        body, plain = loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise RequestError(400, f"request body is not valid JSON: {exc}") from None
     except RecursionError:
@@ -159,6 +160,8 @@ def parse_json_object(raw: bytes, max_depth: int = MAX_REQUEST_DEPTH) -> dict[st
                                 + (f": {where!r} is nested deeper" if where else "")) from None
     if not isinstance(body, dict):
         raise RequestError(400, "request body must be a JSON object")
+    if plain and within_depth(raw, max_depth):
+        return body  # orjson refuses lone surrogates: with few enough brackets, nothing is left to look for
     try:
         check_json(body, max_depth)
     except NotRecordable as exc:
