@@ -65,7 +65,8 @@ from agl_core.http.rules import (INT64_MAX, RequestError, check_bearer, check_sa
                                  health_response, integer, parse_json_object, policy_token, read_body,
                                  require_token_off_loopback, token_from)
 from agl_core.http.limits import ServerLimits
-from agl_core.http.recordable import NotRecordable, dumps, loads
+from agl_core.http import recordable
+from agl_core.http.recordable import NotRecordable
 from agl_core.http.server import ServerThread
 from agl_core.policies import route
 from agl_core.rollout.store import AttemptState, LeaseError, Store
@@ -279,7 +280,7 @@ class Gateway:
                 url, upstream_body = self._forwarded_request(upstream, endpoint, body, plan, state, rollout_id,
                                                              attempt_id, sequence_ids[0])
                 forwarded, converted = _as_chat(await post_with_retries(
-                    self._upstream_client, url, json.dumps(upstream_body).encode(), self.config.max_retries,
+                    self._upstream_client, url, recordable.dumps(upstream_body), self.config.max_retries,
                     self.config.retry_backoff_s, self.config.max_upstream_bytes), plan, body)
         common = self._span_attributes(endpoint, upstream, forwarded.status, forwarded.tries, state, weight_version,
                                        plan, policy)
@@ -287,7 +288,7 @@ class Gateway:
                                  start, time.time(), converted)
         self._record(rollout_id, attempt_id, lease, spans)
         if plan is not None and forwarded.error is None and forwarded.status < 400:
-            self.contexts.remember((rollout_id, attempt_id), plan, body, response)
+            self.contexts.remember_later((rollout_id, attempt_id), plan, body, response)
         if forwarded.error is not None:
             raise CallFailed(forwarded.status, forwarded.error)
         if forwarded.status >= 400:
@@ -338,7 +339,7 @@ class Gateway:
                 upstream_body["stream"] = True
                 if exact and include_usage(body):  # the token path's completions request has no stream options
                     upstream_body["stream_options"] = {"include_usage": True}
-                opened = await open_with_retries(self._upstream_client, url, json.dumps(upstream_body).encode(),
+                opened = await open_with_retries(self._upstream_client, url, recordable.dumps(upstream_body),
                                                  self.config.max_retries, self.config.retry_backoff_s,
                                                  self.config.max_upstream_bytes)
             if isinstance(opened, Opened) and opened.response.content_type != EVENT_STREAM:
@@ -384,7 +385,7 @@ class Gateway:
                 stream.record_error = str(exc)
             else:
                 if plan is not None and error is None and stream.ended:
-                    self.contexts.remember((rollout_id, attempt_id), plan, body, response)
+                    self.contexts.remember_later((rollout_id, attempt_id), plan, body, response)
 
         return CallStream(endpoint, batches, on_close, release)
 
@@ -563,15 +564,13 @@ def _as_chat(forwarded: Forwarded, plan: Plan | None,
     if plan is None or not plan.exact or forwarded.error is not None or forwarded.status >= 400:
         return forwarded, None
     try:
-        response, plain = loads(forwarded.body)
+        response, plain = recordable.loads(forwarded.body)
     except ValueError:
         return forwarded, None  # not JSON: recorded and refused as any such answer
     if not isinstance(response, dict):
         return forwarded, None
     chat = chat_answer(response, plan)
-    answer = as_asked(chat, request)
-    raw = dumps(answer) if plain else json.dumps(answer).encode()  # NaN, Infinity as they came
-    return Forwarded(forwarded.status, raw, forwarded.tries), chat
+    return Forwarded(forwarded.status, recordable.dumps(as_asked(chat, request), plain), forwarded.tries), chat
 
 
 def _parsed(forwarded: Forwarded) -> tuple[Any, str | None]:
@@ -580,7 +579,7 @@ def _parsed(forwarded: Forwarded) -> tuple[Any, str | None]:
     error = forwarded.error
     if error is None:
         try:
-            response, _ = loads(forwarded.body)
+            response, _ = recordable.loads(forwarded.body)
         except ValueError:
             error = f"the policy server answered {forwarded.status} with a body that is not JSON"
     if error is None and forwarded.status >= 400:

@@ -61,7 +61,7 @@ def loads(raw: bytes) -> tuple[Any, bool]:
     digits in a row goes to the standard library, as does every text orjson
     refuses: the standard library's result (or error) is the one that counts.
     """
-    if not _LONG_DIGITS.search(raw):
+    if _LONG_DIGITS not in raw.translate(_DIGITS_ONLY):
         try:
             return orjson.loads(raw), True
         except orjson.JSONDecodeError:
@@ -69,13 +69,16 @@ def loads(raw: bytes) -> tuple[Any, bool]:
     return json.loads(raw), False
 
 
-def dumps(value: Any) -> bytes:
-    """Compact JSON of ``value``, which :func:`loads` parsed with orjson or is made of such parts and of ints, finite
-    floats, str, lists and dicts (orjson writes NaN as null: a value that may hold one goes to ``json.dumps``)."""
+def dumps(value: Any, plain: bool = False) -> bytes:
+    """``value`` as JSON that ``json.loads`` reads back as ``json.dumps(value)`` does, written by orjson where that
+    holds (compact, UTF-8): always when ``plain`` (``value`` is made of what :func:`loads` parsed with orjson, ints,
+    finite floats, str, lists and dicts), else when orjson wrote no ``null`` (it writes NaN and Infinity as null).
+    Anything else (an integer beyond 64 bits, a lone surrogate) as the standard library writes it."""
     try:
-        return orjson.dumps(value)
-    except TypeError:  # an integer beyond 64 bits, a key not a str: as the standard library writes them
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+        out = orjson.dumps(value)
+    except TypeError:
+        return json.dumps(value).encode()
+    return out if plain or b"null" not in out else json.dumps(value).encode()
 
 
 def within_depth(raw: bytes, max_depth: int) -> bool:
@@ -84,7 +87,9 @@ def within_depth(raw: bytes, max_depth: int) -> bool:
     return raw.count(b"{") + raw.count(b"[") <= max_depth
 
 
-_LONG_DIGITS = re.compile(rb"\d{19}")
+_DIGITS_ONLY = bytes(48 if byte in b"0123456789" else 32 for byte in range(256))
+"""A translation table: every digit to ``0``, every other byte to a space (a digit run then reads as zeros)."""
+_LONG_DIGITS = b"0" * 19
 
 
 def deep_path(raw: str, max_depth: int) -> str | None:
