@@ -55,6 +55,28 @@ def test_the_continuation_closes_the_models_turn_with_what_it_did_not_sample(tem
     assert full[-len(newline + tail):] == newline + tail
 
 
+def test_a_rendering_is_apply_chat_templates_with_tools_special_tokens_and_globals(template):
+    """ChatTemplate.render skips apply_chat_template's wrapper: the same text, whatever the template reads."""
+    reads_all = ("{{ eos_token }}{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}"
+                 "{% if m['role'] == 'bad' %}{{ raise_exception('no bad roles') }}{% endif %}"
+                 "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tokenizer = template.tokenizer
+    tokenizer.chat_template, saved = reads_all, tokenizer.chat_template
+    try:
+        other = ChatTemplate(tokenizer)
+        tools = [{"type": "function", "function": {"name": "guess", "parameters": {"type": "object"}}}]
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "there"}]
+        for offered in (None, tools):
+            for generation in (False, True):
+                assert other.render(messages, offered, generation) == tokenizer.apply_chat_template(
+                    messages, tools=offered, add_generation_prompt=generation, tokenize=False)
+        with pytest.raises(Exception, match="no bad roles"):
+            other.render([{"role": "bad", "content": "x"}], None, True)
+    finally:
+        tokenizer.chat_template = saved
+
+
 def test_a_template_that_renders_the_past_differently_has_no_continuation(template):
     last_only = ("{% for m in messages %}{% if loop.last %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
                  "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

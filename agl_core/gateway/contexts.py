@@ -36,6 +36,12 @@ Every chat call's span says what happened (``attributes["context"]``):
 Memory is bounded: the last ``MAX_TURNS`` calls' choices per attempt (4 bytes a token), the
 ``MAX_ATTEMPTS`` most recently used attempts; an attempt's contexts are
 dropped when it ends (the gateway's sweeper, :mod:`agl_core.gateway.api_routes`).
+Its latest call (of one choice) also keeps the text its continuation starts
+from (about a byte a token).
+
+What a call leaves for the next one (its context, that text rendered) is
+kept once its answer went out (:meth:`ExactContexts.remember_later`): the
+agent waits for the answer, not for the gateway's bookkeeping.
 """
 
 from __future__ import annotations
