@@ -125,6 +125,38 @@ def test_a_call_continues_the_earlier_call_whose_messages_and_reply_it_repeats(t
     assert run_plan(contexts, second).context == FIRST
 
 
+def test_a_context_kept_after_the_answer_is_there_for_the_next_call_and_starts_from_its_rendering(template):
+    """remember_later keeps the context once the loop is done with the call; a call that comes before (an agent
+    faster than the loop) finds it kept first. The rendering kept for the next call is the template's own."""
+    contexts = ExactContexts(lambda url: (template, "test"))
+    attempt, first = ("r", "1"), {"messages": [{"role": "user", "content": "hi"}]}
+    prompt, sampled = ids(template, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"), ids(template, "there")
+    second = {"messages": [*first["messages"], {"role": "assistant", "content": "there"},
+                           {"role": "user", "content": "more"}]}
+    third = {"messages": [*second["messages"], {"role": "assistant", "content": "x"}, {"role": "user", "content": "4"}]}
+
+    async def conversation():
+        plan = await contexts.plan(attempt, first, "u")
+        contexts.remember_later(attempt, plan, first, answer(prompt, sampled, "there"))
+        assert contexts.attempts() == [attempt] and not contexts._turns  # pending: not kept yet
+        plan = await contexts.plan(attempt, second, "u")  # at once: the pending context is kept first
+        assert plan.context == EXACT
+        contexts.remember_later(attempt, plan, second, answer(plan.prompt_ids, ids(template, "x"), "x"))
+        await asyncio.sleep(0)  # a turn of the loop: kept, with the rendering the next call starts from
+        (turn,) = contexts._turns[attempt][-1]
+        assert turn.before == template.render([*second["messages"], turn.reply], None, False)
+        plan = await contexts.plan(attempt, third, "u")
+        assert plan.context == EXACT
+        assert plan.prompt_ids[len(turn.context):] == template.continuation(
+            second["messages"], turn.reply, third["messages"][-1:], None, ids(template, "x"))
+        contexts.remember_later(attempt, plan, third, answer(plan.prompt_ids, [4], "4"))
+        contexts.drop(attempt)  # the attempt ended before its pending context was kept: nothing is
+        await asyncio.sleep(0)
+        assert contexts.attempts() == []
+
+    asyncio.run(conversation())
+
+
 def test_tool_calls_compare_by_name_and_arguments_not_by_spelling():
     call = {"id": "a", "type": "function", "function": {"name": "guess", "arguments": '{"number": 4, "x": 1}'}}
     respelled = {"id": "b", "function": {"name": "guess", "arguments": '{"x":1,"number":4}'}}
