@@ -55,6 +55,28 @@ def test_the_continuation_closes_the_models_turn_with_what_it_did_not_sample(tem
     assert full[-len(newline + tail):] == newline + tail
 
 
+def test_a_rendering_is_apply_chat_templates_with_tools_special_tokens_and_globals(template):
+    """ChatTemplate.render skips apply_chat_template's wrapper: the same text, whatever the template reads."""
+    reads_all = ("{{ eos_token }}{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}"
+                 "{% if m['role'] == 'bad' %}{{ raise_exception('no bad roles') }}{% endif %}"
+                 "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tokenizer = template.tokenizer
+    tokenizer.chat_template, saved = reads_all, tokenizer.chat_template
+    try:
+        other = ChatTemplate(tokenizer)
+        tools = [{"type": "function", "function": {"name": "guess", "parameters": {"type": "object"}}}]
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "there"}]
+        for offered in (None, tools):
+            for generation in (False, True):
+                assert other.render(messages, offered, generation) == tokenizer.apply_chat_template(
+                    messages, tools=offered, add_generation_prompt=generation, tokenize=False)
+        with pytest.raises(Exception, match="no bad roles"):
+            other.render([{"role": "bad", "content": "x"}], None, True)
+    finally:
+        tokenizer.chat_template = saved
+
+
 def test_a_template_that_renders_the_past_differently_has_no_continuation(template):
     last_only = ("{% for m in messages %}{% if loop.last %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
                  "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -101,6 +123,38 @@ def test_a_call_continues_the_earlier_call_whose_messages_and_reply_it_repeats(t
     assert "response_format" in run_plan(contexts, {**second, "response_format": {"type": "json_object"}}).reason
     contexts.drop(("r", "1"))
     assert run_plan(contexts, second).context == FIRST
+
+
+def test_a_context_kept_after_the_answer_is_there_for_the_next_call_and_starts_from_its_rendering(template):
+    """remember_later keeps the context once the loop is done with the call; a call that comes before (an agent
+    faster than the loop) finds it kept first. The rendering kept for the next call is the template's own."""
+    contexts = ExactContexts(lambda url: (template, "test"))
+    attempt, first = ("r", "1"), {"messages": [{"role": "user", "content": "hi"}]}
+    prompt, sampled = ids(template, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"), ids(template, "there")
+    second = {"messages": [*first["messages"], {"role": "assistant", "content": "there"},
+                           {"role": "user", "content": "more"}]}
+    third = {"messages": [*second["messages"], {"role": "assistant", "content": "x"}, {"role": "user", "content": "4"}]}
+
+    async def conversation():
+        plan = await contexts.plan(attempt, first, "u")
+        contexts.remember_later(attempt, plan, first, answer(prompt, sampled, "there"))
+        assert contexts.attempts() == [attempt] and not contexts._turns  # pending: not kept yet
+        plan = await contexts.plan(attempt, second, "u")  # at once: the pending context is kept first
+        assert plan.context == EXACT
+        contexts.remember_later(attempt, plan, second, answer(plan.prompt_ids, ids(template, "x"), "x"))
+        await asyncio.sleep(0)  # a turn of the loop: kept, with the rendering the next call starts from
+        (turn,) = contexts._turns[attempt][-1]
+        assert turn.before == template.render([*second["messages"], turn.reply], None, False)
+        plan = await contexts.plan(attempt, third, "u")
+        assert plan.context == EXACT
+        assert plan.prompt_ids[len(turn.context):] == template.continuation(
+            second["messages"], turn.reply, third["messages"][-1:], None, ids(template, "x"))
+        contexts.remember_later(attempt, plan, third, answer(plan.prompt_ids, [4], "4"))
+        contexts.drop(attempt)  # the attempt ended before its pending context was kept: nothing is
+        await asyncio.sleep(0)
+        assert contexts.attempts() == []
+
+    asyncio.run(conversation())
 
 
 def test_tool_calls_compare_by_name_and_arguments_not_by_spelling():

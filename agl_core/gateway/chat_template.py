@@ -32,6 +32,11 @@ from typing import Any
 
 from agl_core.gateway.tool_calls import template_messages, tool_format
 
+try:  # transformers' compilation of a chat template (its filters and globals), cached per template text
+    from transformers.utils.chat_template_utils import _compile_jinja_template as _compile
+except ImportError:  # a transformers without it: apply_chat_template renders
+    _compile = None
+
 log = logging.getLogger("agl_core.gateway")
 
 _MARK = "AGLREPLYMARK"
@@ -46,6 +51,8 @@ class ChatTemplate:
         self.source = source
         self.tool_format = tool_format(tokenizer.chat_template)
         self._closings: dict[str, list[int]] = {}
+        self._special = dict(tokenizer.special_tokens_map)  # the template's variables besides the messages
+        self._renderers: dict[bool, tuple[Any, dict[str, Any]]] = {}
         # A fast tokenizer's Rust core encodes the same ids without the Python wrapper's ~20 µs a call.
         self._core = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
 
@@ -76,14 +83,34 @@ class ChatTemplate:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, generation: bool) -> str:
-        return self.tokenizer.apply_chat_template(template_messages(messages), tools=tools,
-                                                  add_generation_prompt=generation, tokenize=False)
+        """The text of ``messages`` as ``apply_chat_template(..., tokenize=False)`` renders it: by the template
+        transformers compiles, with the variables apply_chat_template gives it, but without the work both redo on
+        each call (the wrapper's, and merging the template's globals into a new context: most of a render's time)."""
+        if _compile is None:
+            return self.tokenizer.apply_chat_template(template_messages(messages), tools=tools,
+                                                      add_generation_prompt=generation, tokenize=False)
+        compiled, variables = self._renderer(tools is not None)
+        context = compiled.new_context({**variables, "messages": template_messages(messages), "tools": tools,
+                                        "documents": None, "add_generation_prompt": generation}, shared=True)
+        return compiled.environment.concat(compiled.root_render_func(context))
+
+    def _renderer(self, with_tools: bool) -> tuple[Any, dict[str, Any]]:
+        """The compiled template (the one for tools when ``with_tools``: a tokenizer may have both) and its fixed
+        variables: its globals (``raise_exception``, ...) and the special tokens, as ``Template.render`` merges
+        them."""
+        renderer = self._renderers.get(with_tools)
+        if renderer is None:
+            compiled = _compile(self.tokenizer.get_chat_template(None, [] if with_tools else None))
+            renderer = self._renderers[with_tools] = (compiled, {**compiled.globals, **self._special})
+        return renderer
 
     def continuation(self, history: list[dict[str, Any]], reply: dict[str, Any], new: list[dict[str, Any]],
-                     tools: list[dict[str, Any]] | None, sampled: list[int]) -> list[int] | None:
+                     tools: list[dict[str, Any]] | None, sampled: list[int], before: str | None = None) -> list[int] | None:
         """The ids after ``sampled`` (the model's reply to ``history``): the turn's closing, ``new``, the
-        generation prompt; None when the template renders ``history + reply`` differently once ``new`` follows."""
-        before = self.render([*history, reply], tools, False)
+        generation prompt; None when the template renders ``history + reply`` differently once ``new`` follows.
+        ``before``: ``history + reply`` rendered by this template with ``tools`` already, when it was."""
+        if before is None:
+            before = self.render([*history, reply], tools, False)
         after = self.render([*history, reply, *new], tools, True)
         if not after.startswith(before):
             return None

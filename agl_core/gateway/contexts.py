@@ -36,6 +36,12 @@ Every chat call's span says what happened (``attributes["context"]``):
 Memory is bounded: the last ``MAX_TURNS`` calls' choices per attempt (4 bytes a token), the
 ``MAX_ATTEMPTS`` most recently used attempts; an attempt's contexts are
 dropped when it ends (the gateway's sweeper, :mod:`agl_core.gateway.api_routes`).
+Its latest call (of one choice) also keeps the text its continuation starts
+from (about a byte a token).
+
+What a call leaves for the next one (its context, that text rendered) is
+kept once its answer went out (:meth:`ExactContexts.remember_later`): the
+agent waits for the answer, not for the gateway's bookkeeping.
 """
 
 from __future__ import annotations
@@ -78,7 +84,7 @@ CHAT_ONLY = frozenset({"messages", "tools", "tool_choice", "parallel_tool_calls"
 """Chat request fields that a completions request does not take (translated or dropped)."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class Turn:
     """One choice of an earlier call: its request's messages (as sent, and keyed), its reply, its exact ids."""
 
@@ -89,6 +95,11 @@ class Turn:
     reply: dict[str, Any]
     context: array  # prompt ids + sampled ids
     n_sampled: int
+    before: str | None = None
+    """The rendering of ``messages`` and ``reply`` (the start of the next call's, :meth:`ChatTemplate.continuation`),
+    made once the answer went out, when the template was known then; kept for the attempt's latest call of one
+    choice only (the one an agent continues)."""
+    rendered_by: ChatTemplate | None = None
 
 
 @dataclass
@@ -103,6 +114,7 @@ class Plan:
     template: ChatTemplate | None = None
     keys: tuple[Any, ...] = ()
     tools_key: str = ""
+    offered: list[dict[str, Any]] | None = None  # the call's tools, whatever the plan (``tools``: the token path's)
 
     @property
     def exact(self) -> bool:
@@ -128,6 +140,7 @@ class ExactContexts:
         self._find = find
         self.max_turns, self.max_attempts = max_turns, max_attempts
         self._turns: OrderedDict[tuple[str, str], deque[list[Turn]]] = OrderedDict()
+        self._pending: dict[tuple[str, str], list[tuple[Plan, dict[str, Any], Any]]] = {}  # see remember_later
         self._templates: dict[str, tuple[asyncio.Future, float]] = {}
 
     @classmethod
@@ -137,29 +150,33 @@ class ExactContexts:
     # ------------------------------------------------------------ attempts
 
     def attempts(self) -> list[tuple[str, str]]:
-        return list(self._turns)
+        return list({**self._turns, **self._pending})
 
     def drop(self, attempt: tuple[str, str]) -> None:
         self._turns.pop(attempt, None)
+        self._pending.pop(attempt, None)
 
     # ------------------------------------------------------------ the call
 
     async def plan(self, attempt: tuple[str, str], body: dict[str, Any], upstream: str | None) -> Plan:
         """How the chat call ``body`` of ``attempt`` goes to ``upstream`` (see the module)."""
+        if attempt in self._pending:
+            self._remember_pending(attempt)  # the answer before this call is not kept yet: now
         keys = tuple(message_key(m) for m in body["messages"])
         try:
             tools = offered_tools(body)
         except RequestError:
             tools = None
         tools_key = json.dumps(tools, sort_keys=True) if tools else ""
+        known = self._known_template(upstream)
         turns = self._turns.get(attempt)
         if not turns:
-            return Plan(FIRST, keys=keys, tools_key=tools_key)
+            return Plan(FIRST, keys=keys, tools_key=tools_key, offered=tools, template=known)
         self._turns.move_to_end(attempt)
         found, reason = _continued(turns, keys, tools_key)
         if found is None:
-            return Plan(REBUILT, reason, keys=keys, tools_key=tools_key)
-        rebuilt = Plan(REBUILT, keys=keys, tools_key=tools_key)
+            return Plan(REBUILT, reason, keys=keys, tools_key=tools_key, offered=tools, template=known)
+        rebuilt = Plan(REBUILT, keys=keys, tools_key=tools_key, offered=tools, template=known)
         option = next((key for key in TEXT_ONLY_OPTIONS if body.get(key) is not None), None)
         if option is not None:
             rebuilt.reason = f"the request sets {option!r}, which only a rendering from text honours"
@@ -178,7 +195,8 @@ class ExactContexts:
         n = len(found.keys)
         sampled = found.context[len(found.context) - found.n_sampled:].tolist()
         try:
-            ids = template.continuation(found.messages, found.reply, body["messages"][n + 1:], tools, sampled)
+            ids = template.continuation(found.messages, found.reply, body["messages"][n + 1:], tools, sampled,
+                                        before=found.before if found.rendered_by is template else None)
         except Exception as exc:  # noqa: BLE001 - a template that cannot render the request: the server says why
             rebuilt.reason = f"the chat template cannot render the new messages: {exc}"
             return rebuilt
@@ -188,10 +206,24 @@ class ExactContexts:
         opening = forced_opening(function, template.tool_format) if function is not None else ""
         prompt = found.context.tolist() + ids + (template.encode(opening) if opening else [])
         return Plan(EXACT, prompt_ids=prompt, tools=tools, opening=opening, template=template, keys=keys,
-                    tools_key=tools_key)
+                    tools_key=tools_key, offered=tools)
+
+    def remember_later(self, attempt: tuple[str, str], plan: Plan, body: dict[str, Any], response: Any) -> None:
+        """:meth:`remember`, once the event loop is done with the call's turn (its answer written to the agent: the
+        agent has it sooner); the attempt's next :meth:`plan` remembers first what is still pending. On the event
+        loop only."""
+        pending = self._pending.setdefault(attempt, [])
+        pending.append((plan, body, response))
+        if len(pending) == 1:
+            asyncio.get_running_loop().call_soon(self._remember_pending, attempt)
+
+    def _remember_pending(self, attempt: tuple[str, str]) -> None:
+        for plan, body, response in self._pending.pop(attempt, ()):
+            self.remember(attempt, plan, body, response)
 
     def remember(self, attempt: tuple[str, str], plan: Plan, body: dict[str, Any], response: Any) -> None:
-        """Keep the exact context of each choice of a chat ``response`` to ``body`` (one with token ids)."""
+        """Keep the exact context of each choice of a chat ``response`` to ``body`` (one with token ids), with the
+        rendering the next call starts from when ``plan`` knows the template."""
         if not isinstance(response, dict):
             return
         top_prompt = response.get("prompt_token_ids")
@@ -215,7 +247,18 @@ class ExactContexts:
             turns = self._turns[attempt] = deque(maxlen=self.max_turns)
             while len(self._turns) > self.max_attempts:
                 self._turns.popitem(last=False)
+        elif turns and len(turns[-1]) == 1:
+            turns[-1][0].before = turns[-1][0].rendered_by = None  # one rendered text per attempt at most
+        if len(kept) == 1:
+            kept[0].before, kept[0].rendered_by = _rendered(plan, body, kept[0].reply)
         turns.append(kept)
+
+    def _known_template(self, upstream: str | None) -> ChatTemplate | None:
+        """The template for ``upstream`` if it is found already (None: not looked for, not found, or not yet)."""
+        found = self._templates.get(upstream) if upstream is not None else None
+        if found is None or not found[0].done() or found[0].cancelled() or found[0].exception() is not None:
+            return None
+        return found[0].result()[0]
 
     async def _template(self, upstream: str) -> tuple[ChatTemplate | None, str]:
         """The template for ``upstream``, found once (a failure is looked into again after ``RETRY_FIND_S``)."""
@@ -225,6 +268,17 @@ class ExactContexts:
             found = self._templates[upstream] = (asyncio.ensure_future(asyncio.to_thread(self._find, upstream)),
                                                  time.monotonic())
         return await asyncio.shield(found[0])
+
+
+def _rendered(plan: Plan, body: dict[str, Any], reply: dict[str, Any]) -> tuple[str | None, ChatTemplate | None]:
+    """The rendering of ``body``'s messages and ``reply`` by ``plan``'s template, and the template; Nones when the
+    plan knows none or it cannot render them (the next call then renders, and says why)."""
+    if plan.template is None or any(body.get(key) is not None for key in TEXT_ONLY_OPTIONS):
+        return None, None
+    try:
+        return plan.template.render([*body["messages"], reply], plan.offered, False), plan.template
+    except Exception:  # noqa: BLE001 - a template that cannot render it: the next call's plan finds out and says why
+        return None, None
 
 
 def _continued(turns: deque[list[Turn]], keys: tuple[Any, ...], tools_key: str) -> tuple[Turn | None, str]:

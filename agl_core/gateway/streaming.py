@@ -25,6 +25,7 @@ import anyio
 
 from agl_core.gateway.capture import CHAT
 from agl_core.gateway.upstream import Response, UpstreamError, UpstreamTooLarge
+from agl_core.http.recordable import loads
 from agl_core.http.rules import RequestError
 
 yield_core = getattr(os, "sched_yield", lambda: None)
@@ -285,7 +286,7 @@ class Chunk:
     @property
     def data(self) -> dict[str, Any]:
         if self._data is None:
-            data = json.loads(self.raw)
+            data, _ = loads(self.raw)
             if not isinstance(data, dict):
                 raise ValueError("a chunk is not a JSON object")
             self._data = data
@@ -372,7 +373,7 @@ class CallStream:
         unparsed = [chunk for chunk in chunks if chunk._data is None]
         if unparsed:
             try:
-                values = json.loads(b"[" + b",".join(chunk.raw for chunk in unparsed) + b"]")
+                values, _ = loads(b"[" + b",".join(chunk.raw for chunk in unparsed) + b"]")
             except ValueError:
                 values = None
             if values is not None and len(values) == len(unparsed) and all(isinstance(v, dict) for v in values):

@@ -26,6 +26,8 @@ import json
 import re
 from typing import Any, Protocol
 
+import orjson
+
 MAX_REQUEST_DEPTH = 128
 """The deepest nesting a request body may have (the body itself is level 1)."""
 MAX_SPAN_DEPTH = 160
@@ -47,6 +49,47 @@ def check_json(value: Any, max_depth: int, where: str = "") -> None:
     """NotRecordable naming the path (from ``where``) of the first key or string of ``value`` (parsed JSON) that
     holds a lone surrogate, or of the first value nested deeper than ``max_depth`` levels."""
     _check(value, max_depth, 1, [where] if where else [])
+
+
+def loads(raw: bytes) -> tuple[Any, bool]:
+    """The JSON text ``raw`` parsed exactly as ``json.loads`` parses it, and whether orjson parsed it.
+
+    orjson parses several times faster, and what it parses holds no lone
+    surrogate (it refuses them), no ``NaN``/``Infinity`` (not JSON) and no
+    integer beyond 64 bits: what it parses, :func:`dumps` writes back as it
+    came. orjson reads an integer beyond 64 bits as a float, so a text with 19
+    digits in a row goes to the standard library, as does every text orjson
+    refuses: the standard library's result (or error) is the one that counts.
+    """
+    if _LONG_DIGITS not in raw.translate(_DIGITS_ONLY):
+        try:
+            return orjson.loads(raw), True
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(raw), False
+
+
+def dumps(value: Any, plain: bool = False) -> bytes:
+    """``value`` as JSON that ``json.loads`` reads back as ``json.dumps(value)`` does, written by orjson where that
+    holds (compact, UTF-8): always when ``plain`` (``value`` is made of what :func:`loads` parsed with orjson, ints,
+    finite floats, str, lists and dicts), else when orjson wrote no ``null`` (it writes NaN and Infinity as null).
+    Anything else (an integer beyond 64 bits, a lone surrogate) as the standard library writes it."""
+    try:
+        out = orjson.dumps(value)
+    except TypeError:
+        return json.dumps(value).encode()
+    return out if plain or b"null" not in out else json.dumps(value).encode()
+
+
+def within_depth(raw: bytes, max_depth: int) -> bool:
+    """Whether the JSON text ``raw`` surely nests at most ``max_depth`` levels: it holds at most that many brackets
+    (a value is nested no deeper than the brackets that open before it, strings' included). False says "look"."""
+    return raw.count(b"{") + raw.count(b"[") <= max_depth
+
+
+_DIGITS_ONLY = bytes(48 if byte in b"0123456789" else 32 for byte in range(256))
+"""A translation table: every digit to ``0``, every other byte to a space (a digit run then reads as zeros)."""
+_LONG_DIGITS = b"0" * 19
 
 
 def deep_path(raw: str, max_depth: int) -> str | None:

@@ -29,7 +29,8 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from agl_core.http.recordable import MAX_REQUEST_DEPTH, NotRecordable, check_json, deep_path
+from agl_core.http.recordable import (MAX_REQUEST_DEPTH, NotRecordable, check_json, deep_path, loads,
+                                      within_depth)
 
 INT64_MAX = 2**63 - 1
 
@@ -141,7 +142,7 @@ async def read_body(request: Request, limit: int, limit_setting: str, timeout_s:
     chunks, size = [], 0
     try:
         async with contextlib.nullcontext() if received else asyncio.timeout(timeout_s):
-            while True:
+            while True:  # the ASGI messages themselves: Request.stream() adds an async generator's cost to each
                 message = await request.receive()
                 if message["type"] == "http.disconnect":
                     raise ClientDisconnect()
@@ -164,7 +165,7 @@ def parse_json_object(raw: bytes, max_depth: int = MAX_REQUEST_DEPTH) -> dict[st
     object, nested deeper than ``max_depth`` levels, or holding a lone surrogate (:mod:`agl_core.http.recordable`:
     what no store could record), the last two naming the path."""
     try:
-        body = json.loads(raw)
+        body, plain = loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise RequestError(400, f"request body is not valid JSON: {exc}") from None
     except RecursionError:
@@ -173,6 +174,8 @@ def parse_json_object(raw: bytes, max_depth: int = MAX_REQUEST_DEPTH) -> dict[st
                                 + (f": {where!r} is nested deeper" if where else "")) from None
     if not isinstance(body, dict):
         raise RequestError(400, "request body must be a JSON object")
+    if plain and within_depth(raw, max_depth):
+        return body  # orjson refuses lone surrogates: with few enough brackets, nothing is left to look for
     try:
         check_json(body, max_depth)
     except NotRecordable as exc:
