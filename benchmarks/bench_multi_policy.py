@@ -5,10 +5,12 @@ Three parts, one JSON line with every figure:
 * **Serving** (``mixed_vs_single``, the goal is >= 0.75): tokens/s of one
   generation batch (the embedded backend's own ``generate``) whose rows use 4
   different LoRA adapters, computed in one forward per token with per-row
-  adapters (peft's mixed-adapter batch, what the endpoint does), against the
-  same batch on one adapter (a plain forward, no routing). ``grouped`` is the
-  alternative the engine does not take: the batch cut into one sub-batch per
-  adapter, generated one after the other (``grouped_vs_single``).
+  adapters (the batched per-row LoRA kernel, what the endpoint does), against
+  the same batch on one adapter (a plain forward, no routing). Two
+  alternatives the engine does not take, for reference: ``peft_mixed``, peft's
+  own mixed-adapter batch (``adapter_names``: a loop over the adapters in every
+  layer; ``peft_mixed_vs_single``), and ``grouped``, the batch cut into one
+  sub-batch per adapter, generated one after the other (``grouped_vs_single``).
 * **Memory** (each side in a fresh process; Linux ``/proc``): the peak resident
   set of the base model generating the batch, and of the model with 4 adapters
   generating the mixed batch. The bound is ``(base + 4 x one adapter's bytes) x
@@ -73,7 +75,8 @@ def make_model(args, run_dir: Path, adapters: int):
     return backend
 
 
-def generate_batch(backend, args, adapters):
+def generate_batch(backend, args, adapters, route=None):
+    """Tokens and seconds of generating the batch, row i through ``adapters[i]`` by ``route`` (the engine's)."""
     from agl_plugin_torch.policies import adapters_per_row
     from agl_plugin_torch.sampling import SamplingParams, generate
 
@@ -82,7 +85,7 @@ def generate_batch(backend, args, adapters):
     params = [SamplingParams(max_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, seed=i)
               for i in range(len(prompts))]
     tok = backend.tokenizer
-    with adapters_per_row(backend.actor, adapters if adapters and len(set(adapters)) > 1 else None):
+    with (route or adapters_per_row)(backend.actor, adapters if adapters and len(set(adapters)) > 1 else None):
         start = time.perf_counter()
         samples = generate(backend.actor, prompts, params, eos_token_ids=[tok.eos_token_id],
                            pad_token_id=tok.pad_token_id, decode=lambda ids: "", generator=gen)
@@ -91,15 +94,20 @@ def generate_batch(backend, args, adapters):
 
 
 def serving(args) -> dict:
+    from agl_plugin_torch.policies import peft_adapters_per_row
+
     with tempfile.TemporaryDirectory() as tmp:
         backend = make_model(args, Path(tmp), adapters=4)
         backend.actor.set_adapter("a0")  # the single-adapter side: a plain forward through one active adapter
         mixed_rows = [ADAPTERS[i % 4] for i in range(args.rows)]
         generate_batch(backend, args, mixed_rows)  # warm-up
-        figures = {"mixed": [], "single": [], "grouped": []}
+        generate_batch(backend, args, mixed_rows, route=peft_adapters_per_row)
+        figures = {"mixed": [], "single": [], "peft_mixed": [], "grouped": []}
         for _ in range(args.repeats):
             tokens, seconds = generate_batch(backend, args, mixed_rows)
             figures["mixed"].append(tokens / seconds)
+            tokens, seconds = generate_batch(backend, args, mixed_rows, route=peft_adapters_per_row)
+            figures["peft_mixed"].append(tokens / seconds)
             tokens, seconds = generate_batch(backend, args, None)
             figures["single"].append(tokens / seconds)
             total_tokens, total_s = 0, 0.0
@@ -111,7 +119,9 @@ def serving(args) -> dict:
             figures["grouped"].append(total_tokens / total_s)
     best = {k: max(v) for k, v in figures.items()}
     return {"mixed_tokens_per_s": best["mixed"], "single_tokens_per_s": best["single"],
-            "grouped_tokens_per_s": best["grouped"], "mixed_vs_single": best["mixed"] / best["single"],
+            "peft_mixed_tokens_per_s": best["peft_mixed"], "grouped_tokens_per_s": best["grouped"],
+            "mixed_vs_single": best["mixed"] / best["single"],
+            "peft_mixed_vs_single": best["peft_mixed"] / best["single"],
             "grouped_vs_single": best["grouped"] / best["single"]}
 
 
