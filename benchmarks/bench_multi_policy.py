@@ -15,7 +15,9 @@ Three parts, one JSON line with every figure:
   set of the base model generating the batch, and of the model with 4 adapters
   generating the mixed batch. The bound is ``(base + 4 x one adapter's bytes) x
   1.10``; ``base_held_once`` says that the adapted model's base weights are
-  the tensors loaded, not copies.
+  the tensors loaded, not copies, and ``adapters_held_once`` that the
+  adapters' storage (the per-row kernel's stacked matrices) is 4 adapters'
+  bytes, not more.
 * **Learning** (``--learning``; minutes per seed): ``examples/two_roles`` with
   both roles trained, and with the guesser frozen beside it, on each seed of
   ``--seeds``: the step and seconds at which validation reward first reaches
@@ -143,8 +145,11 @@ def memory_side(args) -> dict:
         held = sum(p.numel() for n, p in backend.actor.named_parameters() if "lora_" not in n)
         one_adapter = sum(p.numel() * p.element_size() for n, p in backend.actor.named_parameters()
                           if ".a0." in n)
+        # The adapters' storage: the per-row kernel's stacked matrices, which the adapters' parameters are views of.
+        stored = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                  for n, p in backend.actor.named_parameters() if "lora_" in n}
         return {"peak_bytes": status_bytes("VmHWM"), "base_params_in_file": base_params, "base_params_held": held,
-                "one_adapter_bytes": one_adapter}
+                "one_adapter_bytes": one_adapter, "adapter_bytes_held": sum(stored.values())}
 
 
 def memory(args) -> dict:
@@ -160,7 +165,8 @@ def memory(args) -> dict:
     return {"base_peak_bytes": base["peak_bytes"], "four_adapters_peak_bytes": multi["peak_bytes"],
             "one_adapter_bytes": multi["one_adapter_bytes"], "memory_bound_bytes": int(bound),
             "memory_within_bound": multi["peak_bytes"] <= bound,
-            "base_held_once": multi["base_params_held"] == base["base_params_in_file"]}
+            "base_held_once": multi["base_params_held"] == base["base_params_in_file"],
+            "adapters_held_once": multi["adapter_bytes_held"] == 4 * multi["one_adapter_bytes"]}
 
 
 def learn(seed: int, args, frozen: bool) -> dict:
