@@ -32,12 +32,15 @@ LoRA, ``modules_to_save`` copies) the layer computes peft's own way.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger("agl_plugin_torch")
 
 PACKED = "_agl_per_row_lora"
 """The attribute of a peft ``lora.Linear`` that holds its :class:`Packed` adapters."""
@@ -148,7 +151,14 @@ def rows_through_adapters(model: torch.nn.Module, adapters: Sequence[str], base:
         for module in model.modules():
             if not packable(module):
                 continue
-            held = packed(module) or pack(module)
+            held = packed(module)
+            if held is None:
+                if getattr(module, PACKED, None) is not None:
+                    # Legitimate after a move to another device; in a process that maps another's weights it would
+                    # mean this process stopped seeing their updates.
+                    log.warning("the adapters of %s were rebound off their stacked matrices: stacking them again",
+                                type(module).__name__)
+                held = pack(module)
             scalings = tuple(float(module.scaling[name]) for name in held.names)
             key = (held.names, held.ranks, scalings, held.a.dtype, held.a.device)
             if key not in scales_of:
