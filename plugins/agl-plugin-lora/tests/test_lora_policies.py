@@ -30,12 +30,12 @@ POLICIES = {"hinter": {"adapter": {"rank": 4}}, "guesser": {"adapter": {"rank": 
             "judge": {"base": True}, "coach": {"trainable": False}}
 
 
-def multi_backend(tmp_path, agent_match=None, settings=LoraSettings(rank=4, alpha=8)):
-    recipe = validate_recipe({"policies": POLICIES, "trainer": {"agent_match": agent_match}})
+def multi_backend(tmp_path, agent_match=None, settings=LoraSettings(rank=4, alpha=8), policies=POLICIES):
+    recipe = validate_recipe({"policies": policies, "trainer": {"agent_match": agent_match}})
     ctx = SimpleNamespace(slots={}, plugin_config=lambda name: settings, config=recipe)
     backend = create(TorchConfig.model_validate(tiny_section()), tmp_path, seed=0, with_critic=False,
                      transforms=[lambda actor: adapt_actor(actor, ctx)])
-    trains = ["hinter", "guesser"]
+    trains = [p for p in ("hinter", "guesser") if p in policies]
     backend.policy_optims = PolicyOptimizers(backend.actor, {p: recipe.policies[p].lr for p in trains},
                                              backend.config.actor)
     return backend
@@ -151,6 +151,20 @@ def test_a_parameter_rebound_off_its_stack_is_packed_again_before_it_is_served(b
     mixed, _ = backend.logprobs(backend.actor, batch, with_entropy=False, adapters=names)
     assert_rows_match_each_adapter_alone(backend, batch, names, mixed)
     assert packed(layer) is not None and torch.equal(layer.lora_B["guesser"].weight.detach(), weight.detach())
+
+
+def test_adapters_on_different_layers_with_different_scalings_mix_in_one_batch(tmp_path):
+    """A layer without a row's adapter leaves that row as the base computes it; scalings are each adapter's own."""
+    policies = {"hinter": {"adapter": {"rank": 4, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}},
+                "guesser": {"adapter": {"rank": 2, "alpha": 1}}, "judge": {"base": True}}
+    made = multi_backend(tmp_path, policies=policies)
+    for seed, adapter in enumerate(["hinter", "guesser"]):
+        perturb(made.actor, adapter, seed)
+    batch = testing.sampled_rows(made, n=6)
+    names = ["guesser", "hinter", "__base__", "hinter", "guesser", "guesser"]
+    mixed, _ = made.logprobs(made.actor, batch, with_entropy=False, adapters=names)
+    assert_rows_match_each_adapter_alone(made, batch, names, mixed)
+    assert {packed(layer).names for layer in lora_linears(made.actor)} == {("hinter", "guesser"), ("guesser",)}
 
 
 def test_copies_of_modules_to_save_run_per_row_beside_the_kernel(tmp_path):
