@@ -5,15 +5,19 @@ Three parts, one JSON line with every figure:
 * **Serving** (``mixed_vs_single``, the goal is >= 0.75): tokens/s of one
   generation batch (the embedded backend's own ``generate``) whose rows use 4
   different LoRA adapters, computed in one forward per token with per-row
-  adapters (peft's mixed-adapter batch, what the endpoint does), against the
-  same batch on one adapter (a plain forward, no routing). ``grouped`` is the
-  alternative the engine does not take: the batch cut into one sub-batch per
-  adapter, generated one after the other (``grouped_vs_single``).
+  adapters (the batched per-row LoRA kernel, what the endpoint does), against
+  the same batch on one adapter (a plain forward, no routing). Two
+  alternatives the engine does not take, for reference: ``peft_mixed``, peft's
+  own mixed-adapter batch (``adapter_names``: a loop over the adapters in every
+  layer; ``peft_mixed_vs_single``), and ``grouped``, the batch cut into one
+  sub-batch per adapter, generated one after the other (``grouped_vs_single``).
 * **Memory** (each side in a fresh process; Linux ``/proc``): the peak resident
   set of the base model generating the batch, and of the model with 4 adapters
   generating the mixed batch. The bound is ``(base + 4 x one adapter's bytes) x
   1.10``; ``base_held_once`` says that the adapted model's base weights are
-  the tensors loaded, not copies.
+  the tensors loaded, not copies, and ``adapters_held_once`` that the
+  adapters' storage (the per-row kernel's stacked matrices) is 4 adapters'
+  bytes, not more.
 * **Learning** (``--learning``; minutes per seed): ``examples/two_roles`` with
   both roles trained, and with the guesser frozen beside it, on each seed of
   ``--seeds``: the step and seconds at which validation reward first reaches
@@ -73,7 +77,8 @@ def make_model(args, run_dir: Path, adapters: int):
     return backend
 
 
-def generate_batch(backend, args, adapters):
+def generate_batch(backend, args, adapters, route=None):
+    """Tokens and seconds of generating the batch, row i through ``adapters[i]`` by ``route`` (the engine's)."""
     from agl_plugin_torch.policies import adapters_per_row
     from agl_plugin_torch.sampling import SamplingParams, generate
 
@@ -82,7 +87,7 @@ def generate_batch(backend, args, adapters):
     params = [SamplingParams(max_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, seed=i)
               for i in range(len(prompts))]
     tok = backend.tokenizer
-    with adapters_per_row(backend.actor, adapters if adapters and len(set(adapters)) > 1 else None):
+    with (route or adapters_per_row)(backend.actor, adapters if adapters and len(set(adapters)) > 1 else None):
         start = time.perf_counter()
         samples = generate(backend.actor, prompts, params, eos_token_ids=[tok.eos_token_id],
                            pad_token_id=tok.pad_token_id, decode=lambda ids: "", generator=gen)
@@ -91,15 +96,20 @@ def generate_batch(backend, args, adapters):
 
 
 def serving(args) -> dict:
+    from agl_plugin_torch.policies import peft_adapters_per_row
+
     with tempfile.TemporaryDirectory() as tmp:
         backend = make_model(args, Path(tmp), adapters=4)
         backend.actor.set_adapter("a0")  # the single-adapter side: a plain forward through one active adapter
         mixed_rows = [ADAPTERS[i % 4] for i in range(args.rows)]
         generate_batch(backend, args, mixed_rows)  # warm-up
-        figures = {"mixed": [], "single": [], "grouped": []}
+        generate_batch(backend, args, mixed_rows, route=peft_adapters_per_row)
+        figures = {"mixed": [], "single": [], "peft_mixed": [], "grouped": []}
         for _ in range(args.repeats):
             tokens, seconds = generate_batch(backend, args, mixed_rows)
             figures["mixed"].append(tokens / seconds)
+            tokens, seconds = generate_batch(backend, args, mixed_rows, route=peft_adapters_per_row)
+            figures["peft_mixed"].append(tokens / seconds)
             tokens, seconds = generate_batch(backend, args, None)
             figures["single"].append(tokens / seconds)
             total_tokens, total_s = 0, 0.0
@@ -111,7 +121,9 @@ def serving(args) -> dict:
             figures["grouped"].append(total_tokens / total_s)
     best = {k: max(v) for k, v in figures.items()}
     return {"mixed_tokens_per_s": best["mixed"], "single_tokens_per_s": best["single"],
-            "grouped_tokens_per_s": best["grouped"], "mixed_vs_single": best["mixed"] / best["single"],
+            "peft_mixed_tokens_per_s": best["peft_mixed"], "grouped_tokens_per_s": best["grouped"],
+            "mixed_vs_single": best["mixed"] / best["single"],
+            "peft_mixed_vs_single": best["peft_mixed"] / best["single"],
             "grouped_vs_single": best["grouped"] / best["single"]}
 
 
@@ -133,8 +145,11 @@ def memory_side(args) -> dict:
         held = sum(p.numel() for n, p in backend.actor.named_parameters() if "lora_" not in n)
         one_adapter = sum(p.numel() * p.element_size() for n, p in backend.actor.named_parameters()
                           if ".a0." in n)
+        # The adapters' storage: the per-row kernel's stacked matrices, which the adapters' parameters are views of.
+        stored = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                  for n, p in backend.actor.named_parameters() if "lora_" in n}
         return {"peak_bytes": status_bytes("VmHWM"), "base_params_in_file": base_params, "base_params_held": held,
-                "one_adapter_bytes": one_adapter}
+                "one_adapter_bytes": one_adapter, "adapter_bytes_held": sum(stored.values())}
 
 
 def memory(args) -> dict:
@@ -150,7 +165,8 @@ def memory(args) -> dict:
     return {"base_peak_bytes": base["peak_bytes"], "four_adapters_peak_bytes": multi["peak_bytes"],
             "one_adapter_bytes": multi["one_adapter_bytes"], "memory_bound_bytes": int(bound),
             "memory_within_bound": multi["peak_bytes"] <= bound,
-            "base_held_once": multi["base_params_held"] == base["base_params_in_file"]}
+            "base_held_once": multi["base_params_held"] == base["base_params_in_file"],
+            "adapters_held_once": multi["adapter_bytes_held"] == 4 * multi["one_adapter_bytes"]}
 
 
 def learn(seed: int, args, frozen: bool) -> dict:

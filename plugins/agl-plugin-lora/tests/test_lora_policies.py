@@ -15,7 +15,9 @@ from agl_core.config import validate_recipe
 from agl_core.builtin.estimators import vanilla_policy_loss
 from agl_plugin_torch import testing
 from agl_plugin_torch.backend import create
-from agl_plugin_torch.policies import PolicyOptimizers, adapters_per_row, adapter_parameters
+from agl_plugin_torch.per_row_lora import PACKED, packed
+from agl_plugin_torch.policies import (PolicyOptimizers, adapters_per_row, adapter_parameters,
+                                      peft_adapters_per_row)
 from agl_plugin_torch.sampling import SamplingParams
 from agl_plugin_torch.settings import TorchConfig
 
@@ -28,12 +30,12 @@ POLICIES = {"hinter": {"adapter": {"rank": 4}}, "guesser": {"adapter": {"rank": 
             "judge": {"base": True}, "coach": {"trainable": False}}
 
 
-def multi_backend(tmp_path, agent_match=None):
-    recipe = validate_recipe({"policies": POLICIES, "trainer": {"agent_match": agent_match}})
-    ctx = SimpleNamespace(slots={}, plugin_config=lambda name: LoraSettings(rank=4, alpha=8), config=recipe)
+def multi_backend(tmp_path, agent_match=None, settings=LoraSettings(rank=4, alpha=8), policies=POLICIES):
+    recipe = validate_recipe({"policies": policies, "trainer": {"agent_match": agent_match}})
+    ctx = SimpleNamespace(slots={}, plugin_config=lambda name: settings, config=recipe)
     backend = create(TorchConfig.model_validate(tiny_section()), tmp_path, seed=0, with_critic=False,
                      transforms=[lambda actor: adapt_actor(actor, ctx)])
-    trains = ["hinter", "guesser"]
+    trains = [p for p in ("hinter", "guesser") if p in policies]
     backend.policy_optims = PolicyOptimizers(backend.actor, {p: recipe.policies[p].lr for p in trains},
                                              backend.config.actor)
     return backend
@@ -74,17 +76,106 @@ def test_each_policy_has_its_adapter_on_one_base(backend):
         sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(backend.source).parameters())
 
 
+def lora_linears(model):
+    from peft.tuners.lora.layer import Linear
+
+    return [m for m in model.modules() if isinstance(m, Linear)]
+
+
+def peft_alone(backend, batch, adapter):
+    """Log-probs of every row through ``adapter`` alone, computed peft's way (the reference of the kernel)."""
+    with peft_adapters_per_row(backend.actor, adapter):
+        return backend.logprobs(backend.actor, batch, with_entropy=False)[0]
+
+
+def assert_rows_match_each_adapter_alone(backend, batch, names, mixed):
+    for adapter in dict.fromkeys(names):
+        rows = [i for i, name in enumerate(names) if name == adapter]
+        torch.testing.assert_close(mixed[rows], peft_alone(backend, batch, adapter)[rows], atol=1e-5, rtol=0)
+
+
 def test_a_mixed_batch_gives_each_row_its_adapters_logprobs(backend):
+    """The engine's mixed batch (the per-row kernel; ranks 4, 2 and 4, and base rows) against each adapter alone."""
     batch = testing.sampled_rows(backend, n=8)
     names = ["hinter", "guesser", "__base__", "coach"] * 2
     mixed, _ = backend.logprobs(backend.actor, batch, with_entropy=False, adapters=names)
-    for adapter in ("hinter", "guesser", "__base__", "coach"):
-        alone, _ = backend.logprobs(backend.actor, batch, with_entropy=False, adapters=[adapter] * 8)
-        rows = [i for i, name in enumerate(names) if name == adapter]
-        torch.testing.assert_close(mixed[rows], alone[rows], atol=1e-5, rtol=0)
-    hinter, _ = backend.logprobs(backend.actor, batch, with_entropy=False, adapters=["hinter"] * 8)
-    guesser, _ = backend.logprobs(backend.actor, batch, with_entropy=False, adapters=["guesser"] * 8)
+    assert_rows_match_each_adapter_alone(backend, batch, names, mixed)
+    with peft_adapters_per_row(backend.actor, names):  # peft's own mixed batch agrees too
+        torch.testing.assert_close(backend.logprobs(backend.actor, batch, with_entropy=False)[0], mixed,
+                                   atol=1e-5, rtol=0)
+    hinter, guesser = peft_alone(backend, batch, "hinter"), peft_alone(backend, batch, "guesser")
     assert (hinter - guesser).abs().max() > 1e-3  # the adapters differ: the equality above is not vacuous
+    layers = lora_linears(backend.actor)
+    with adapters_per_row(backend.actor, names):  # the kernel, not peft's loop, computes every adapted linear layer
+        assert layers and all("forward" in vars(layer) for layer in layers)
+    assert not any("forward" in vars(layer) for layer in layers)
+
+
+def test_the_adapters_are_views_of_the_stacks_and_nothing_is_held_twice(backend):
+    """The memory side: the kernel's stacked adapters are the adapters' own parameters, the base is untouched."""
+    actor = backend.actor
+    for layer in lora_linears(actor):
+        held = packed(layer)
+        assert held is not None and held.names == ("hinter", "guesser", "coach") and held.ranks == (4, 2, 4)
+        for name in held.names:
+            assert layer.lora_A[name].weight.untyped_storage().data_ptr() == held.a.untyped_storage().data_ptr()
+            assert layer.lora_B[name].weight.untyped_storage().data_ptr() == held.b_t.untyped_storage().data_ptr()
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in actor.parameters()}
+    for layer in lora_linears(actor):
+        stacks = getattr(layer, PACKED)
+        storages.update({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (stacks.a, stacks.b_t)})
+    assert sum(storages.values()) == sum(p.numel() * p.element_size() for p in actor.parameters())
+
+
+def test_after_an_update_mixed_batches_compute_with_the_new_weights(backend):
+    batch = testing.sampled_rows(backend, n=8)
+    names = ["hinter", "guesser"] * 4
+    before, _ = backend.logprobs(backend.actor, batch, with_entropy=False, adapters=names)
+    batch["old_log_probs"] = peft_alone(backend, batch, "hinter")
+    batch["advantages"] = torch.randn(8, batch["responses"].shape[1], generator=torch.Generator().manual_seed(1))
+    backend.update_policies(batch, np.array(["hinter"] * 8, dtype=object), algorithm(), vanilla_policy_loss)
+    after, _ = backend.logprobs(backend.actor, batch, with_entropy=False, adapters=names)
+    assert_rows_match_each_adapter_alone(backend, batch, names, after)
+    assert (after[0::2] - before[0::2]).abs().max() > 1e-3  # the hinter's rows moved with its update
+    torch.testing.assert_close(after[1::2], before[1::2], atol=0, rtol=0)  # the guesser's did not
+
+
+def test_a_parameter_rebound_off_its_stack_is_packed_again_before_it_is_served(backend):
+    """Whatever replaces a parameter's tensor (a move, an assignment) is what the next mixed batch computes with."""
+    batch = testing.sampled_rows(backend, n=4)
+    layer = lora_linears(backend.actor)[0]
+    weight = layer.lora_B["guesser"].weight
+    weight.data = weight.data.clone() + 0.5  # no longer a view of the stack: the stack alone would be stale
+    assert packed(layer) is None
+    names = ["guesser", "hinter", "guesser", "__base__"]
+    mixed, _ = backend.logprobs(backend.actor, batch, with_entropy=False, adapters=names)
+    assert_rows_match_each_adapter_alone(backend, batch, names, mixed)
+    assert packed(layer) is not None and torch.equal(layer.lora_B["guesser"].weight.detach(), weight.detach())
+
+
+def test_adapters_on_different_layers_with_different_scalings_mix_in_one_batch(tmp_path):
+    """A layer without a row's adapter leaves that row as the base computes it; scalings are each adapter's own."""
+    policies = {"hinter": {"adapter": {"rank": 4, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}},
+                "guesser": {"adapter": {"rank": 2, "alpha": 1}}, "judge": {"base": True}}
+    made = multi_backend(tmp_path, policies=policies)
+    for seed, adapter in enumerate(["hinter", "guesser"]):
+        perturb(made.actor, adapter, seed)
+    batch = testing.sampled_rows(made, n=6)
+    names = ["guesser", "hinter", "__base__", "hinter", "guesser", "guesser"]
+    mixed, _ = made.logprobs(made.actor, batch, with_entropy=False, adapters=names)
+    assert_rows_match_each_adapter_alone(made, batch, names, mixed)
+    assert {packed(layer).names for layer in lora_linears(made.actor)} == {("hinter", "guesser"), ("guesser",)}
+
+
+def test_copies_of_modules_to_save_run_per_row_beside_the_kernel(tmp_path):
+    """lm_head's trained copies are not LoRA: each row runs its own copy, peft's way, in the same forward."""
+    made = multi_backend(tmp_path, settings=LoraSettings(rank=4, alpha=8, modules_to_save=["lm_head"]))
+    for seed, adapter in enumerate(["hinter", "guesser", "coach"]):
+        perturb(made.actor, adapter, seed)
+    batch = testing.sampled_rows(made, n=6)
+    names = ["coach", "hinter", "__base__", "guesser", "hinter", "coach"]
+    mixed, _ = made.logprobs(made.actor, batch, with_entropy=False, adapters=names)
+    assert_rows_match_each_adapter_alone(made, batch, names, mixed)
 
 
 def test_the_base_policy_and_the_reference_are_the_actor_with_adapters_off(backend, tmp_path):
@@ -105,7 +196,7 @@ def test_generation_in_one_batch_matches_each_adapter_alone(backend):
     with adapters_per_row(backend.actor, ["hinter", "guesser", "__base__"]):
         mixed = testing.sample(backend, [prompt] * 3, params)
     for row, adapter in enumerate(["hinter", "guesser", "__base__"]):
-        with adapters_per_row(backend.actor, adapter):
+        with peft_adapters_per_row(backend.actor, adapter):
             (alone,) = testing.sample(backend, [prompt], params[:1])
         assert mixed[row].token_ids == alone.token_ids
         np.testing.assert_allclose(mixed[row].logprobs, alone.logprobs, atol=1e-5)
@@ -168,7 +259,7 @@ def test_the_endpoint_routes_each_request_to_its_policy_and_refuses_unknown_name
         reply = client.chat.completions.create(model=policy, messages=prompt, max_tokens=4, temperature=0.0,
                                                logprobs=True)
         ids = testing.prompt(backend, "guess a number")
-        with adapters_per_row(backend.actor, adapter):
+        with peft_adapters_per_row(backend.actor, adapter):
             (alone,) = testing.sample(backend, [ids], [SamplingParams(max_tokens=4, temperature=0.0)])
         assert [t.logprob for t in reply.choices[0].logprobs.content] == pytest.approx(alone.logprobs, abs=1e-5)
         answers[policy] = reply.choices[0].message.content
@@ -178,3 +269,35 @@ def test_the_endpoint_routes_each_request_to_its_policy_and_refuses_unknown_name
     with pytest.raises(openai.NotFoundError, match="names no policy of this endpoint; the policies are hinter, "
                                                    "guesser, judge, coach"):
         client.chat.completions.create(model="gpt-4o", messages=prompt, max_tokens=2)
+
+
+def test_the_endpoints_process_serves_each_update_of_the_adapters(backend):
+    """Real HTTP, the endpoint in a process of its own on the shared weights: after an update, the served
+    log-probs are the new adapter's, so the process computes with the stacks the optimizer wrote into."""
+    import openai
+
+    backend.start_serving("policy")
+    client = openai.OpenAI(base_url=backend.url, api_key="unused", max_retries=0)
+    prompt, ids = [{"role": "user", "content": "guess a number"}], testing.prompt(backend, "guess a number")
+
+    def served(policy):
+        reply = client.chat.completions.create(model=policy, messages=prompt, max_tokens=4, temperature=0.0,
+                                               logprobs=True)
+        return [t.logprob for t in reply.choices[0].logprobs.content]
+
+    def alone(adapter):
+        with peft_adapters_per_row(backend.actor, adapter):
+            (sample,) = testing.sample(backend, [ids], [SamplingParams(max_tokens=4, temperature=0.0)])
+        return sample.logprobs
+
+    before = served("hinter")
+    assert before == pytest.approx(alone("hinter"), abs=1e-5)
+    batch = testing.sampled_rows(backend, n=8)
+    batch["old_log_probs"] = peft_alone(backend, batch, "hinter")
+    batch["advantages"] = torch.randn(8, batch["responses"].shape[1], generator=torch.Generator().manual_seed(1))
+    backend.update_policies(batch, np.array(["hinter"] * 8, dtype=object), algorithm(), vanilla_policy_loss)
+    backend.set_weight_version(1)
+    after = served("hinter")
+    assert after == pytest.approx(alone("hinter"), abs=1e-5)
+    assert max(abs(a - b) for a, b in zip(after, before)) > 1e-4  # the update changed what is served
+    assert served("guesser") == pytest.approx(alone("guesser"), abs=1e-5)

@@ -9,6 +9,8 @@ PPO loss pieces. Modules, one idea each:
 - ``modeling``: model and tokenizer, made or loaded; the critic's value head
 - ``sampling``: batched sampling with per-row parameters and log-probs
 - ``engine``: the batching worker that serves concurrent requests
+- ``policies``: several policies (named adapters) on one actor: routing rows, per-policy updates
+- ``per_row_lora``: the batched per-row LoRA kernel of a batch mixing adapters
 - ``server``: the OpenAI-compatible HTTP endpoint
 - ``forward``: log-probs, entropy and values of training rows
 - ``training``: actor and critic updates

@@ -24,7 +24,8 @@ from agl_core.config import AlgorithmConfig
 from agl_core.data import Batch
 
 from agl_plugin_torch import modeling, serving_process, training, update_process
-from agl_plugin_torch.policies import PolicyOptimizers, adapters_per_row, update_policies
+from agl_plugin_torch.per_row_lora import pack_adapters
+from agl_plugin_torch.policies import PolicyOptimizers, adapters_per_row, policy_adapters, update_policies
 from agl_plugin_torch.forward import response_logprobs, response_values
 from agl_plugin_torch.serving_process import Endpoint, RemoteEndpoint
 from agl_plugin_torch.settings import NAME, TorchConfig
@@ -344,6 +345,8 @@ def create(config: TorchConfig, run_dir: Path, seed: int, with_critic: bool,
     critic = modeling.ValueModel(actor) if with_critic else None
     for transform in transforms:
         actor = transform(actor)
+    if policy_adapters(actor) is not None:
+        pack_adapters(actor)  # mixed batches' kernel: the adapters stacked in place, before any process maps them
     generator = torch.Generator(device=_device(actor)).manual_seed(seed)
     return Backend.for_training(config, source, actor, tokenizer, generator, critic)
 

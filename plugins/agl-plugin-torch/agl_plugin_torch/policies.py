@@ -6,17 +6,20 @@ in the actor's :data:`POLICY_ADAPTERS` attribute: ``{policy: adapter name}``,
 :data:`BASE` for a policy that is the base model itself. The backend then
 
 - generates a batch whose requests name different policies in one forward
-  per token, each row through its own adapter (peft's mixed-adapter batch,
-  :func:`adapters_per_row`): the engine never waits to group them;
+  per token, each row through its own adapter (:func:`adapters_per_row`,
+  the batched per-row LoRA kernel of :mod:`agl_plugin_torch.per_row_lora`):
+  the engine never waits to group them;
 - computes the old log-probs of a batch of several policies' rows the same way;
 - updates each trainable adapter on its own rows with its own optimizer and
   schedule (:class:`PolicyOptimizers`), the PPO and KL pieces of the loss
   computed on that policy's rows alone; its metrics are ``policy/<name>/…``.
 
-peft's ``adapter_names`` forward argument is passed to every adapter layer by a
-forward pre-hook for the duration of a block, as peft's own ``PeftModel`` does
-for ``generate(adapter_names=...)``; the model stays the transformers model
-the rest of the backend holds.
+Updates, and the adapter layers the kernel does not cover (embedding LoRA,
+``modules_to_save`` copies), compute peft's own way: peft's ``adapter_names``
+forward argument is passed to every such layer by a forward pre-hook for the
+duration of a block (:func:`peft_adapters_per_row`), as peft's own
+``PeftModel`` does for ``generate(adapter_names=...)``. The model stays the
+transformers model the rest of the backend holds.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 from agl_core.data import Batch
 from agl_core.policies import BASE_ADAPTER as BASE, POLICY_ADAPTERS, metric_key
 
+from agl_plugin_torch.per_row_lora import rows_through_adapters
 
 
 def policy_adapters(model: torch.nn.Module) -> dict[str, str] | None:
@@ -66,22 +70,40 @@ def _inject(module, args, kwargs, adapters):
 
 
 @contextmanager
-def adapters_per_row(model: torch.nn.Module, adapters: Sequence[str] | str | None) -> Iterator[None]:
-    """Every forward of ``model`` in the block computes row i with adapter ``adapters[i]`` (:data:`BASE`: none).
-
-    A single name applies to every row. None leaves the model as it is.
-    """
-    if adapters is None:
-        yield
-        return
+def peft_adapters_per_row(model: torch.nn.Module, adapters: Sequence[str] | str,
+                          layers: Sequence[torch.nn.Module] | None = None) -> Iterator[None]:
+    """peft's mixed-adapter batch: every forward of ``layers`` (default: every adapter layer) in the block computes
+    row i with ``adapters[i]`` (a single name: every row), looping over the adapters the batch names."""
     adapters = adapters if isinstance(adapters, str) else list(adapters)
     handles = [layer.register_forward_pre_hook(partial(_inject, adapters=adapters), with_kwargs=True)
-               for layer in _adapter_layers(model)]
+               for layer in (_adapter_layers(model) if layers is None else layers)]
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextmanager
+def adapters_per_row(model: torch.nn.Module, adapters: Sequence[str] | str | None) -> Iterator[None]:
+    """Every forward of ``model`` in the block computes row i with adapter ``adapters[i]`` (:data:`BASE`: none).
+
+    A list of names (a batch of several policies' rows, to generate or score)
+    runs the batched per-row kernel (:func:`agl_plugin_torch.per_row_lora.rows_through_adapters`)
+    where it applies and peft's mixed batch on the other adapter layers. A
+    single name (one policy's update, with gradients) applies to every row,
+    peft's way. None leaves the model as it is.
+    """
+    if adapters is None:
+        yield
+    elif isinstance(adapters, str):
+        with peft_adapters_per_row(model, adapters):
+            yield
+    else:
+        adapters = list(adapters)
+        with rows_through_adapters(model, adapters, BASE) as covered, \
+                peft_adapters_per_row(model, adapters, [m for m in _adapter_layers(model) if m not in covered]):
+            yield
 
 
 def adapters_of_rows(model: torch.nn.Module, policies: Sequence[str]) -> list[str]:
