@@ -53,10 +53,11 @@ def dense_ids(key: torch.Tensor, size: int) -> tuple[torch.Tensor, int]:
     if size > 4 * len(key) + 1024:  # a presence table would outweigh a sort
         values, ids = torch.unique(key, return_inverse=True)
         return ids, len(values)
-    present = torch.zeros(size, dtype=torch.bool)
-    present[key] = True
-    number = torch.cumsum(present, 0) - 1
-    return number[key], int(number[-1]) + 1 if size else 0
+    # In NumPy, as discounted_returns: a scatter, a scan and a gather with no thread hand-off (CPU tensors).
+    present = np.zeros(size, dtype=bool)
+    present[key.numpy()] = True
+    number = np.cumsum(present) - 1
+    return torch.from_numpy(number.take(key.numpy())), int(number[-1]) + 1 if size else 0
 
 
 def per_call_rewards(call_reward: torch.Tensor, own: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor,
@@ -87,13 +88,16 @@ def discounted_returns(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.
     """Returns-to-go ``G_t = r_t + gamma * G_{t+1}`` along each rollout's calls (by ``rank``), (K,).
 
     Laid out as a (length, rollouts) matrix and scanned backwards over its
-    rows (contiguous): ``length`` vector steps, however many rollouts.
+    rows (contiguous): ``length`` vector steps, however many rollouts. In
+    NumPy, on the flat index of each call's cell: a scatter and a gather with
+    no thread hand-off, a third of torch's two-index ones (CPU tensors).
     """
-    rewards = reward.new_zeros(length + 1, n_rollouts)
-    rewards[rank, rollout] = reward
+    cell = (rank * n_rollouts + rollout).numpy()
+    returns = np.zeros((length + 1, n_rollouts))
+    returns.reshape(-1)[cell] = reward.numpy()
     for t in reversed(range(length)):
-        rewards[t] += gamma * rewards[t + 1]
-    return rewards[rank, rollout]
+        returns[t] += gamma * returns[t + 1]
+    return torch.from_numpy(returns.reshape(-1).take(cell))
 
 
 def group_normalized(values: torch.Tensor, gid: torch.Tensor, n_groups: int, norm_by_std: bool,

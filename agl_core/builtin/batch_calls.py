@@ -116,7 +116,9 @@ def _slots(call_turns: np.ndarray, turn_ids: np.ndarray) -> tuple[np.ndarray, np
     width = int(offset.max(initial=0)) + 1
     call_slot = (offset + (np.arange(n) * width)[:, None])[valid]
     n_slots = n * width + 1
-    token_slot = turn_ids + (np.arange(n) * width - first)[:, None]
+    # Slots as narrow as the turn ids where they fit: the (B, T) passes below move half the bytes of int64.
+    narrow = n_slots <= np.iinfo(np.int32).max
+    token_slot = turn_ids + (np.arange(n) * width - first).astype(np.int32 if narrow else np.int64)[:, None]
     np.copyto(token_slot, n_slots - 1, where=turn_ids < 0)
     # Every token's turn must be one of its row's calls: within [first, last] (read as unsigned, the -1 of the
     # tokens no call generated is the largest value, out of the minimum's way), and where a row's calls skip a
