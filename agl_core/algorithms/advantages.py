@@ -104,6 +104,8 @@ def group_ids(index: Sequence[Hashable] | np.ndarray | torch.Tensor) -> tuple[to
     # .tolist() unboxes numeric arrays into Python scalars; object arrays yield their items.
     ids = index.tolist() if isinstance(index, (np.ndarray, torch.Tensor)) else list(index)
     first_seen = dict.fromkeys(ids)
+    if len(first_seen) == len(ids):  # all distinct (a row per rollout): numbered in order, with no lookup
+        return torch.arange(len(ids)), len(ids)
     dense = dict(zip(first_seen, range(len(first_seen))))
     gid = np.fromiter(map(dense.__getitem__, ids), dtype=np.int64, count=len(ids))
     return torch.from_numpy(gid), len(dense)
