@@ -106,8 +106,9 @@ def test_a_reward_model_that_fails_marks_the_rollouts(reward_model, backend):
 
 
 def test_settings_name_what_a_reward_model_needs(tmp_path, reward_model, backend):
-    with pytest.raises(ValueError, match="kind: reward_model runs a local sequence-classification checkpoint"):
-        JudgeConfig(kind="reward_model", endpoint="http://127.0.0.1:1/v1")
+    with pytest.raises(ValueError, match="reward_tokenizer names the tokenizer of a reward model behind an endpoint"):
+        JudgeConfig(kind="reward_model", model_path=str(reward_model), reward_tokenizer=str(reward_model))
+    assert JudgeConfig(kind="reward_model", endpoint="http://127.0.0.1:1/v1").scale == 1.0
     assert JudgeConfig(kind="reward_model", model_path=str(reward_model)).scale == 1.0
     assert JudgeConfig(endpoint="http://127.0.0.1:1/v1").scale == 0.1
     two_labels = AutoModelForSequenceClassification.from_pretrained(reward_model, num_labels=2,
