@@ -1,4 +1,6 @@
-"""A reward model with a value head: a local sequence-classification checkpoint (``num_labels`` 1) scoring transcripts.
+"""A reward model with a value head: a sequence-classification checkpoint (``num_labels`` 1) scoring transcripts,
+in this process (:class:`RewardModel`) or behind an endpoint answering vLLM's pooling API
+(:class:`EndpointRewardModel`; :mod:`agl_plugin_teachers.reward_server` serves one).
 
 What verl's ``use_rm`` / ``compute_rm_score`` run: a model whose head gives
 one number for a whole sequence, read at its last token. The checkpoint (a

@@ -19,9 +19,9 @@ from agl_plugin_teachers.reward_model import RewardModel, pooled_values, pooling
 from agl_plugin_teachers.reward_server import serve_reward_model
 from agl_plugin_teachers.settings import JudgeConfig
 from agl_plugin_teachers.verdicts import Transcript
-from agl_plugin_traces.trajectory import trajectory_batch
 
-from test_reward_model import alone, reward_model, rollout  # noqa: F401 (a fixture)
+from runs import logged, recipe_file, train
+from test_reward_model import alone, check_rewards_per_rollout_and_per_turn, reward_model, rollout  # noqa: F401
 
 
 @pytest.fixture
@@ -61,25 +61,8 @@ def test_a_text_is_read_with_the_models_tokenizer(served, reward_model, backend)
 
 
 def test_per_rollout_and_per_turn_through_the_endpoint_cached(served, reward_model, backend):  # noqa: F811
-    calls = [([5, 6], [7, 8]), ([5, 6, 7, 8, 9], [10])]
-    value_0, value_1 = alone(reward_model, [5, 6, 7, 8]), alone(reward_model, [5, 6, 7, 8, 9, 10])
-    judge = endpoint_judge(served.url, backend.tokenizer, weight=0.5)
-    try:
-        [judged], metrics = judge.judge([rollout("a", calls)], {})
-        assert judged.final_reward == pytest.approx(0.5 * value_1, abs=1e-5)
-        assert metrics["judge/n_scored"] == 1 and metrics["judge/prompt_tokens"] == 6
-        [again], metrics = judge.judge([rollout("a", calls)], {})
-        assert metrics["judge/cache_hits"] == 1 and again.final_reward == judged.final_reward
-    finally:
-        judge.close()
-    judge = endpoint_judge(served.url, backend.tokenizer, per="turn", mode="add")
-    try:
-        [judged], _ = judge.judge([rollout("a", calls, reward=1.0)], {})
-    finally:
-        judge.close()
-    batch, _, _ = trajectory_batch([judged], 20, 20)
-    assert batch["call_rewards"].tolist() == [pytest.approx([value_0, 1.0 + value_1], abs=1e-5)]
-    assert batch["call_reward_sources"].tolist() == [["judge", "judge"]]
+    check_rewards_per_rollout_and_per_turn(reward_model, lambda **settings: endpoint_judge(
+        served.url, backend.tokenizer, **settings))
 
 
 def test_another_tokenizer_gets_the_transcript_rendered_as_the_local_model_does(served, reward_model):  # noqa: F811
@@ -140,3 +123,12 @@ def test_pooled_values_read_vllms_shapes():
     assert pooled_values({"data": [{"index": 1, "data": [2.0]}, {"index": 0, "data": 1}]}, 2) == [1.0, 2.0]
     assert pooled_values({"data": [{"index": 0, "data": [[0.1], [0.2], [0.3]]}]}, 1) == [0.3]  # per token: last
     assert pooling_url("http://h:1/v1/") == "http://h:1/pooling" and pooling_url("http://h:1") == "http://h:1/pooling"
+
+
+def test_a_run_scored_by_a_reward_model_behind_an_endpoint(tmp_path, served):
+    path = recipe_file(tmp_path, trainer={"run_dir": str(tmp_path / "judged")}, plugins={
+        "judge": {"kind": "reward_model", "endpoint": served.url + "/v1", "model": "reward"}})
+    metrics = logged(train(path, ["judge"]).ctx.run_dir)
+    for step in (1, 2):
+        assert metrics[step]["judge/n_scored"] == 4 and metrics[step]["judge/n_failed"] == 0
+        assert metrics[step].get("training/skipped_step", 0.0) == 0.0 and "actor/pg_loss" in metrics[step]
