@@ -11,7 +11,8 @@ Enable it::
         weight: 1.0
         mode: replace                           # or add: reward + weight * score * scale
         per: rollout                            # or turn: each model call gets its own judged reward
-        kind: chat                              # or reward_model: a local value-head model at model_path
+        kind: chat                              # or reward_model: a value-head model, local (model_path) or
+                                                # behind an endpoint answering vLLM's POST /pooling
 
 ``post_process_batch`` (``AGL_ORDER = 1``, before the trace aggregator) asks
 the judge about every succeeded rollout of the step (``per: rollout``) or
@@ -228,9 +229,10 @@ class Judge:
 def build_judge(config: JudgeConfig, tokenizer: Any) -> Judge:
     """The judge a section describes; ``tokenizer`` is the one of the rollouts' token ids (the policy's)."""
     if config.kind == "reward_model":
-        from agl_plugin_teachers.reward_model import RewardModel
+        from agl_plugin_teachers.reward_model import EndpointRewardModel, RewardModel
 
-        return Judge(RewardModel(config, tokenizer), config)
+        return Judge((RewardModel if config.model_path is not None else EndpointRewardModel)(config, tokenizer),
+                     config)
     from agl_plugin_teachers.endpoints import Served
 
     return Judge(ChatJudge(Served(config, "judge"), config, tokenizer), config)

@@ -81,12 +81,13 @@ TURN_PROMPT = ("You are grading one step of an AI agent's work.\nTask:\n{task}\n
 class JudgeConfig(EndpointConfig):
     """The section ``plugins.judge``: a judge scoring each rollout's transcript, or each turn's. A ``chat`` judge is
     a chat model asked with a prompt (an endpoint, or a ``model_path`` the embedded backend serves); a
-    ``reward_model`` is a sequence-classification checkpoint with a value head (``model_path``), run in the
-    trainer's process."""
+    ``reward_model`` is a sequence-classification checkpoint with a value head: ``model_path``, run in the
+    trainer's process, or an ``endpoint`` answering vLLM's pooling API."""
 
     kind: Literal["chat", "reward_model"] = Field(
         "chat", description="chat: a chat model's verdict parsed from its answer; reward_model: the value head of a "
-                            "local sequence-classification model (num_labels 1) at model_path")
+                            "sequence-classification model (num_labels 1): local at model_path, or behind an "
+                            "endpoint answering vLLM's pooling API (POST /pooling)")
     per: Literal["rollout", "turn"] = Field(
         "rollout", description="rollout: one score per rollout, into its reward; turn: one score per model call, "
                                "into that call's own reward (the per-call columns the step-level estimators read)")
@@ -110,15 +111,20 @@ class JudgeConfig(EndpointConfig):
     transcript_chars: int = Field(20000, ge=100, description="a chat judge's transcript is cut to its last this "
                                                              "many characters")
     max_length: int = Field(4096, ge=2, description="a reward model's input is cut to its last this many tokens")
-    rows_per_forward: int = Field(8, ge=1, description="a reward model scores this many transcripts per forward pass")
+    rows_per_forward: int = Field(8, ge=1, description="a reward model scores this many transcripts per forward "
+                                                            "pass (behind an endpoint: per request)")
     tokenizer: str | None = Field(None, description="the tokenizer directory that decodes the rollouts' token ids "
                                                     "into the transcript (default: the policy's, from plugins.torch)")
+    reward_tokenizer: str | None = Field(None, description="a reward model behind an endpoint: its tokenizer "
+                                         "directory; another than the policy's gets the transcript re-rendered by "
+                                         "it, as a local reward model does (default: it reads the policy's token "
+                                         "ids as they are)")
 
     @model_validator(mode="after")
     def _defaults_by_kind(self):
-        if self.kind == "reward_model" and self.model_path is None:
-            raise ValueError("kind: reward_model runs a local sequence-classification checkpoint: set model_path "
-                             "(a reward model behind an endpoint is not supported yet)")
+        if self.reward_tokenizer is not None and (self.kind != "reward_model" or self.endpoint is None):
+            raise ValueError("reward_tokenizer names the tokenizer of a reward model behind an endpoint: set it only "
+                             "with kind: reward_model and endpoint")
         if self.prompt is None:
             self.prompt = TURN_PROMPT if self.per == "turn" else ROLLOUT_PROMPT
         if self.scale is None:

@@ -71,20 +71,21 @@ def test_another_tokenizer_reads_the_transcript_rendered_by_its_chat_template(re
     assert verdict.score == pytest.approx(alone(reward_model, list(rendered)[-20:]), abs=1e-5)
 
 
-def test_values_replace_or_add_per_rollout_and_per_turn_cached(reward_model, backend):
+def check_rewards_per_rollout_and_per_turn(reward_model, judge_with) -> None:
+    """The values of a two-call rollout's transcripts replace (per rollout, cached) or add to (per turn) its rewards;
+    ``judge_with(**settings)`` builds the judge under test."""
     calls = [([5, 6], [7, 8]), ([5, 6, 7, 8, 9], [10])]
     value_0, value_1 = alone(reward_model, [5, 6, 7, 8]), alone(reward_model, [5, 6, 7, 8, 9, 10])
-    judge = build_judge(JudgeConfig(kind="reward_model", model_path=str(reward_model), weight=0.5), backend.tokenizer)
+    judge = judge_with(weight=0.5)
     try:
         [judged], metrics = judge.judge([rollout("a", calls)], {})
-        assert judged.final_reward == pytest.approx(0.5 * value_1)  # the last call holds the whole conversation
+        assert judged.final_reward == pytest.approx(0.5 * value_1, abs=1e-5)  # the last call: the whole conversation
         assert metrics["judge/n_scored"] == 1 and metrics["judge/prompt_tokens"] == 6
         [again], metrics = judge.judge([rollout("a", calls)], {})
         assert metrics["judge/cache_hits"] == 1 and again.final_reward == judged.final_reward
     finally:
         judge.close()
-    judge = build_judge(JudgeConfig(kind="reward_model", model_path=str(reward_model), per="turn", mode="add"),
-                        backend.tokenizer)
+    judge = judge_with(per="turn", mode="add")
     try:
         [judged], _ = judge.judge([rollout("a", calls, reward=1.0)], {})
     finally:
@@ -92,6 +93,11 @@ def test_values_replace_or_add_per_rollout_and_per_turn_cached(reward_model, bac
     batch, _, _ = trajectory_batch([judged], 20, 20)
     assert batch["call_rewards"].tolist() == [pytest.approx([value_0, 1.0 + value_1], abs=1e-5)]
     assert batch["call_reward_sources"].tolist() == [["judge", "judge"]]
+
+
+def test_values_replace_or_add_per_rollout_and_per_turn_cached(reward_model, backend):
+    check_rewards_per_rollout_and_per_turn(reward_model, lambda **settings: build_judge(
+        JudgeConfig(kind="reward_model", model_path=str(reward_model), **settings), backend.tokenizer))
 
 
 def test_a_reward_model_that_fails_marks_the_rollouts(reward_model, backend):
@@ -106,8 +112,9 @@ def test_a_reward_model_that_fails_marks_the_rollouts(reward_model, backend):
 
 
 def test_settings_name_what_a_reward_model_needs(tmp_path, reward_model, backend):
-    with pytest.raises(ValueError, match="kind: reward_model runs a local sequence-classification checkpoint"):
-        JudgeConfig(kind="reward_model", endpoint="http://127.0.0.1:1/v1")
+    with pytest.raises(ValueError, match="reward_tokenizer names the tokenizer of a reward model behind an endpoint"):
+        JudgeConfig(kind="reward_model", model_path=str(reward_model), reward_tokenizer=str(reward_model))
+    assert JudgeConfig(kind="reward_model", endpoint="http://127.0.0.1:1/v1").scale == 1.0
     assert JudgeConfig(kind="reward_model", model_path=str(reward_model)).scale == 1.0
     assert JudgeConfig(endpoint="http://127.0.0.1:1/v1").scale == 0.1
     two_labels = AutoModelForSequenceClassification.from_pretrained(reward_model, num_labels=2,
