@@ -179,8 +179,8 @@ def to_tokens(call_advantage: torch.Tensor, call_slot: torch.Tensor, token_slot:
     token on a slot no call holds (one no call generated) gets 0. One gather
     and one product, in NumPy: single passes with no thread hand-off (CPU tensors).
     """
-    table = torch.zeros(n_slots, dtype=torch.float32)
-    table[call_slot] = call_advantage.to(torch.float32)
-    advantages = table.numpy().take(token_slot.numpy())
+    table = np.zeros(n_slots, dtype=np.float32)
+    table[call_slot.numpy()] = call_advantage.numpy().astype(np.float32)  # NumPy's scatter: half torch's index_put
+    advantages = table.take(token_slot.numpy())
     np.multiply(advantages, response_mask.numpy(), out=advantages, dtype=np.float32)
     return torch.from_numpy(advantages)
