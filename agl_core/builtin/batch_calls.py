@@ -84,9 +84,9 @@ def batch_calls(batch: Batch) -> BatchCalls:
     if n_rollouts == n:  # a row per rollout, numbered in row order: rollout r is row r
         rollout_group, _ = group_ids(batch["uid"])
     else:  # a rollout's rows share its uid: the groups are read off each rollout's first row
-        first_row = torch.full((n_rollouts,), n, dtype=torch.long).scatter_reduce(0, rollout_of_row,
-                                                                                   torch.arange(n), "amin")
-        rollout_group, _ = group_ids(np.asarray(batch["uid"])[first_row.numpy()])
+        # Rollouts are numbered in order of first appearance: a rollout's first row raises the running maximum.
+        first_row = np.flatnonzero(np.diff(np.maximum.accumulate(rollout_of_row.numpy()), prepend=-1))
+        rollout_group, _ = group_ids(np.asarray(batch["uid"])[first_row])
     # Each row's rollout and group, repeated for its calls: NumPy's repeat, cheaper than a gather per call.
     rollout = torch.from_numpy(np.repeat(rollout_of_row.numpy(), calls_per_row))
     group = torch.from_numpy(np.repeat(rollout_group[rollout_of_row].numpy(), calls_per_row))
