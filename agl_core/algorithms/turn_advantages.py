@@ -70,6 +70,8 @@ def per_call_rewards(call_reward: torch.Tensor, own: torch.Tensor, rollout: torc
     which all hold the rollout's) on its last call, 0 on the others.
     """
     call_reward = call_reward.to(torch.float64)
+    if bool(own.all()):  # every call has its own reward (an agent that rewards each turn): nothing to mask
+        return call_reward
     has_own = rollouts_with_own(own, rollout, n_rollouts)
     if bool(has_own.all()):  # the common case: no rollout falls back
         return torch.where(own, call_reward, 0.0)
