@@ -155,10 +155,10 @@ def gigpo(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor, episo
 def keyed_calls(state: torch.Tensor) -> torch.Tensor | slice | None:
     """The calls with a state (``state >= 0``) as an index: ``slice(None)`` when that is all of them (a view,
     where a boolean mask would copy), None when none."""
-    keyed = state >= 0
-    if not bool(keyed.any()):
+    keyed = state.numpy() >= 0  # NumPy's any/all over bools: a tenth of torch's (CPU tensors)
+    if not keyed.any():
         return None
-    return slice(None) if bool(keyed.all()) else keyed
+    return slice(None) if keyed.all() else torch.from_numpy(keyed)
 
 
 def turn_grpo(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor, turn_group: torch.Tensor,
