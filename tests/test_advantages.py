@@ -82,6 +82,20 @@ def test_group_ids_accepts_any_hashable_container(index):
     assert (n, gid.tolist()) == (2, [0, 1, 0, 0])
 
 
+@pytest.mark.parametrize("ids", [
+    ["r0", "r0", "r1", "r1", "r1", "r2"],  # each id in one run (an aggregator's rows): numbered by run
+    ["r0", "r1", "r0", "r2", "r2", "r1"],  # an id in two runs: looked up per row
+    ["a", "b", "c"],  # all distinct
+    ["a"],
+])
+def test_group_ids_runs_of_ids_match_first_appearance(ids):
+    """Ids that come in runs take the run-numbering path; every layout numbers the rows as a dict would."""
+    first_seen = {}
+    expected = [first_seen.setdefault(i, len(first_seen)) for i in ids]
+    gid, n = ours.group_ids(np.array(ids, dtype=object))
+    assert (n, gid.tolist()) == (len(first_seen), expected)
+
+
 # --------------------------------------------------------------------------- GAE
 
 

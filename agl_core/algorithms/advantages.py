@@ -101,11 +101,23 @@ def group_ids(index: Sequence[Hashable] | np.ndarray | torch.Tensor) -> tuple[to
     equality), not by sorting, so any hashable works and 65,536 uid strings take a
     few milliseconds: ``dict.fromkeys`` and ``map`` run the per-row work in C.
     """
-    # .tolist() unboxes numeric arrays into Python scalars; object arrays yield their items.
-    ids = index.tolist() if isinstance(index, (np.ndarray, torch.Tensor)) else list(index)
-    first_seen = dict.fromkeys(ids)
-    if len(first_seen) == len(ids):  # all distinct (a row per rollout): numbered in order, with no lookup
-        return torch.arange(len(ids)), len(ids)
+    if isinstance(index, np.ndarray) and index.ndim == 1 and len(index):
+        # Rows come in runs of one id (an aggregator lists a rollout's rows, and a task's rollouts, together):
+        # the ids are those of the runs' first rows, and where each id has one run, a row's id is its run's
+        # number, with no lookup per row. The distinct ids first seen are the runs' either way.
+        starts = np.empty(len(index), dtype=bool)
+        starts[0] = True
+        starts[1:] = index[1:] != index[:-1]
+        first_seen = dict.fromkeys(index[starts].tolist())
+        if len(first_seen) == int(np.count_nonzero(starts)):
+            return torch.from_numpy(np.cumsum(starts, dtype=np.int64) - 1), len(first_seen)
+        ids = index.tolist()
+    else:
+        # .tolist() unboxes numeric arrays into Python scalars; object arrays yield their items.
+        ids = index.tolist() if isinstance(index, torch.Tensor) else list(index)
+        first_seen = dict.fromkeys(ids)
+        if len(first_seen) == len(ids):  # all distinct (a row per rollout): numbered in order, with no lookup
+            return torch.arange(len(ids)), len(ids)
     dense = dict(zip(first_seen, range(len(first_seen))))
     gid = np.fromiter(map(dense.__getitem__, ids), dtype=np.int64, count=len(ids))
     return torch.from_numpy(gid), len(dense)

@@ -70,6 +70,8 @@ def per_call_rewards(call_reward: torch.Tensor, own: torch.Tensor, rollout: torc
     which all hold the rollout's) on its last call, 0 on the others.
     """
     call_reward = call_reward.to(torch.float64)
+    if bool(own.all()):  # every call has its own reward (an agent that rewards each turn): nothing to mask
+        return call_reward
     has_own = rollouts_with_own(own, rollout, n_rollouts)
     if bool(has_own.all()):  # the common case: no rollout falls back
         return torch.where(own, call_reward, 0.0)
@@ -153,10 +155,10 @@ def gigpo(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor, episo
 def keyed_calls(state: torch.Tensor) -> torch.Tensor | slice | None:
     """The calls with a state (``state >= 0``) as an index: ``slice(None)`` when that is all of them (a view,
     where a boolean mask would copy), None when none."""
-    keyed = state >= 0
-    if not bool(keyed.any()):
+    keyed = state.numpy() >= 0  # NumPy's any/all over bools: a tenth of torch's (CPU tensors)
+    if not keyed.any():
         return None
-    return slice(None) if bool(keyed.all()) else keyed
+    return slice(None) if keyed.all() else torch.from_numpy(keyed)
 
 
 def turn_grpo(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor, turn_group: torch.Tensor,
@@ -179,8 +181,8 @@ def to_tokens(call_advantage: torch.Tensor, call_slot: torch.Tensor, token_slot:
     token on a slot no call holds (one no call generated) gets 0. One gather
     and one product, in NumPy: single passes with no thread hand-off (CPU tensors).
     """
-    table = torch.zeros(n_slots, dtype=torch.float32)
-    table[call_slot] = call_advantage.to(torch.float32)
-    advantages = table.numpy().take(token_slot.numpy())
+    table = np.zeros(n_slots, dtype=np.float32)
+    table[call_slot.numpy()] = call_advantage.numpy().astype(np.float32)  # NumPy's scatter: half torch's index_put
+    advantages = table.take(token_slot.numpy())
     np.multiply(advantages, response_mask.numpy(), out=advantages, dtype=np.float32)
     return torch.from_numpy(advantages)

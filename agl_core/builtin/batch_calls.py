@@ -62,7 +62,7 @@ def batch_calls(batch: Batch) -> BatchCalls:
         calls_per_row = valid.sum(1)
         turn = torch.from_numpy(call_turns[valid])
         reward = torch.from_numpy(batch["call_rewards"][valid].astype(np.float64, copy=False))
-        own = torch.from_numpy(np.isin(batch["call_reward_sources"][valid], OWN_REWARD_SOURCES))
+        own = torch.from_numpy(_own_reward(batch["call_reward_sources"][valid]))
         state = torch.from_numpy(batch["call_state_ids"][valid] if "call_state_ids" in batch
                                  else state_key_ids(batch["call_state_keys"][valid]))
         turn_ids = batch["turn_ids"]
@@ -81,10 +81,12 @@ def batch_calls(batch: Batch) -> BatchCalls:
         penalty = np.bincount(token_slot.ravel(), (rewards - scores).to(torch.float64).numpy().ravel(), n_slots)
         kl = torch.from_numpy(penalty[call_slot])
     rollout_of_row, n_rollouts = group_ids(batch["rollout_id"])
-    # A rollout's rows share its uid: the groups are read off each rollout's first row.
-    first_row = torch.full((n_rollouts,), n, dtype=torch.long).scatter_reduce(0, rollout_of_row, torch.arange(n),
-                                                                               "amin")
-    rollout_group, _ = group_ids(np.asarray(batch["uid"])[first_row.numpy()])
+    if n_rollouts == n:  # a row per rollout, numbered in row order: rollout r is row r
+        rollout_group, _ = group_ids(batch["uid"])
+    else:  # a rollout's rows share its uid: the groups are read off each rollout's first row
+        # Rollouts are numbered in order of first appearance: a rollout's first row raises the running maximum.
+        first_row = np.flatnonzero(np.diff(np.maximum.accumulate(rollout_of_row.numpy()), prepend=-1))
+        rollout_group, _ = group_ids(np.asarray(batch["uid"])[first_row])
     # Each row's rollout and group, repeated for its calls: NumPy's repeat, cheaper than a gather per call.
     rollout = torch.from_numpy(np.repeat(rollout_of_row.numpy(), calls_per_row))
     group = torch.from_numpy(np.repeat(rollout_group[rollout_of_row].numpy(), calls_per_row))
@@ -98,6 +100,12 @@ def batch_calls(batch: Batch) -> BatchCalls:
                       n_rollouts=n_rollouts,
                       group=group, rollout_group=rollout_group, state=state,
                       call_slot=torch.from_numpy(call_slot), token_slot=torch.from_numpy(token_slot), n_slots=n_slots)
+
+
+def _own_reward(sources: np.ndarray) -> np.ndarray:
+    """Which of ``call_reward_sources`` name a call's own reward (:data:`OWN_REWARD_SOURCES`), as a bool array:
+    one equality per source, cheaper than ``np.isin``'s sort on fixed-width strings."""
+    return np.logical_or.reduce([sources == source for source in OWN_REWARD_SOURCES])
 
 
 def _slots(call_turns: np.ndarray, turn_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
@@ -114,19 +122,23 @@ def _slots(call_turns: np.ndarray, turn_ids: np.ndarray) -> tuple[np.ndarray, np
     first = call_turns[:, 0].clip(0)  # a row's calls are in turn order; a row without calls has none
     offset = call_turns - first[:, None]
     width = int(offset.max(initial=0)) + 1
-    call_slot = (offset + (np.arange(n) * width)[:, None])[valid]
+    row_start = np.arange(n) * width
+    call_slot = (offset + row_start[:, None])[valid]
     n_slots = n * width + 1
     # Slots as narrow as the turn ids where they fit: the (B, T) passes below move half the bytes of int64.
     narrow = n_slots <= np.iinfo(np.int32).max
-    token_slot = turn_ids + (np.arange(n) * width - first).astype(np.int32 if narrow else np.int64)[:, None]
+    token_slot = turn_ids + (row_start - first).astype(np.int32 if narrow else np.int64)[:, None]
     np.copyto(token_slot, n_slots - 1, where=turn_ids < 0)
-    # Every token's turn must be one of its row's calls: within [first, last] (read as unsigned, the -1 of the
-    # tokens no call generated is the largest value, out of the minimum's way), and where a row's calls skip a
-    # turn, not on a skipped one; and calls in turn order. The row maxima in torch: NumPy's are 5x slower.
-    highest = torch.from_numpy(turn_ids).amax(1).numpy() if turn_ids.shape[1] else np.full(n, -1)
-    unsigned = turn_ids.view(f"u{turn_ids.itemsize}")
-    lowest = unsigned.min(1, initial=np.iinfo(unsigned.dtype).max)
-    if ((highest > call_turns.max(1, initial=-1)).any() or (lowest < first).any()
+    # Every token's turn must be one of its row's calls: within [first, last] (a turn below first is a slot below
+    # its row's start; the tokens no call generated hold the last slot, out of the minimum's way), and where a
+    # row's calls skip a turn, not on a skipped one; and calls in turn order. The row extrema in torch: NumPy's
+    # are 5x slower.
+    if turn_ids.shape[1]:
+        highest = torch.from_numpy(turn_ids).amax(1).numpy()
+        lowest_slot = torch.from_numpy(token_slot).amin(1).numpy()
+    else:
+        highest, lowest_slot = np.full(n, -1), np.full(n, n_slots - 1)
+    if ((highest > call_turns.max(1, initial=-1)).any() or (lowest_slot < row_start).any()
             or ((offset != np.arange(width_of_row)) & valid).any()):
         _check_listed(call_turns, turn_ids, token_slot, call_slot, n_slots, first, width)
     return call_slot, token_slot, n_slots
