@@ -155,9 +155,12 @@ class _Dequeue(_Body):
     wait_s: float = Field(0.0, ge=0, allow_inf_nan=False)
 
 
-class _Heartbeat(_Body):
+class _AttemptKey(_Body):
     rollout_id: str
     attempt_id: str
+
+
+class _Heartbeat(_AttemptKey):
     lease_s: float = Field(gt=0, allow_inf_nan=False)
     lease: str | None = None
 
@@ -171,18 +174,11 @@ class _Nothing(_Body):
     pass
 
 
-class _AttemptKey(_Body):
-    rollout_id: str
-    attempt_id: str
-
-
 class _RolloutKey(_Body):
     rollout_id: str
 
 
-class _LeaseOf(_Body):
-    rollout_id: str
-    attempt_id: str
+class _LeaseOf(_AttemptKey):
     lease: str | None
 
 
@@ -193,9 +189,7 @@ class _CarriesSpans(_Body):
     leases: list[_LeaseOf] = Field(default_factory=list)
 
 
-class _Finish(_CarriesSpans):
-    rollout_id: str
-    attempt_id: str
+class _Finish(_AttemptKey, _CarriesSpans):
     status: str
     final_reward: float | None = None
     error: str | None = None
@@ -207,9 +201,7 @@ class _Spans(_Body):
     leases: list[_LeaseOf] = Field(default_factory=list)
 
 
-class _Admit(_CarriesSpans):
-    rollout_id: str
-    attempt_id: str
+class _Admit(_AttemptKey, _CarriesSpans):
     n: int = Field(ge=1, le=MAX_ADMIT)
     lease: str | None = None
 
