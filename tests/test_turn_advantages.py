@@ -216,6 +216,66 @@ def test_a_token_of_a_call_the_row_does_not_list_is_an_error():
         gigpo(batch, 1.0)
 
 
+@pytest.mark.parametrize("aggregator, row, position, turn", [
+    ("transition", 3, 0, 0),  # row 3 is b's call 1: turn 0 is before its first (and only) call
+    ("transition", 3, 0, 2),  # ... turn 2 after its last
+    ("transition", 0, 0, 1),  # row 0 is a's call 0: turn 1 is the next row's call, not this row's
+    ("trajectory", 1, 0, 3),  # b's merged row lists calls 0, 1, 2
+])
+def test_a_token_outside_its_rows_calls_is_an_error_naming_the_row(aggregator, row, position, turn):
+    batch = rows(GAMES, aggregator)
+    turn_ids = batch["turn_ids"].clone()
+    assert turn_ids[row, position] >= 0
+    turn_ids[row, position] = turn
+    batch["turn_ids"] = turn_ids
+    with pytest.raises(ValueError, match=rf"row {row}: turn_ids names a call that call_turns does not list "
+                                         rf"\(\[{turn}\]\)"):
+        gigpo(batch, 1.0)
+
+
+@pytest.mark.parametrize("aggregator", ["trajectory", "transition"])
+def test_a_turn_id_below_minus_one_is_an_error(aggregator):
+    batch = rows(GAMES, aggregator)
+    turn_ids = batch["turn_ids"].clone()
+    turn_ids[2, -1] = -3
+    batch["turn_ids"] = turn_ids
+    with pytest.raises(ValueError, match=r"row 2: turn_ids holds -3; a token no call generated holds -1"):
+        turn_grpo(batch, 1.0)
+
+
+def test_a_token_on_a_turn_its_rows_calls_skip_is_an_error():
+    """A row whose calls are turns 0 and 2 (turn 1 was another policy's, say): a token of turn 1 is refused."""
+    batch = rows(GAMES, "trajectory")
+    call_turns = batch["call_turns"].copy()
+    call_turns[1] = [0, 2, -1]
+    turn_ids = batch["turn_ids"].clone()
+    turn_ids[1] = torch.where(turn_ids[1] == 2, -1, turn_ids[1])  # b's call 2 dropped; its call 1 stays on turn 1
+    batch["call_turns"], batch["turn_ids"] = call_turns, turn_ids
+    with pytest.raises(ValueError, match=r"row 1: turn_ids names a call that call_turns does not list \(\[1\]\)"):
+        gigpo(batch, 1.0)
+
+
+def test_calls_out_of_turn_order_are_an_error():
+    batch = rows(GAMES, "trajectory")
+    call_turns = batch["call_turns"].copy()
+    call_turns[1, :3] = [1, 0, 2]
+    batch["call_turns"] = call_turns
+    with pytest.raises(ValueError, match=r"row 1: call_turns lists its calls out of turn order"):
+        turn_grpo(batch, 1.0)
+
+
+@pytest.mark.parametrize("aggregator", ["trajectory", "transition"])
+def test_a_trained_token_no_call_generated_gets_no_advantage(aggregator):
+    """A token in ``response_mask`` whose turn id is -1 (no call generated it) gets 0, whatever its row's calls."""
+    batch = rows(GAMES, aggregator)
+    turn_ids = batch["turn_ids"].clone()
+    row = len(batch) - 1
+    turn_ids[row, 0] = -1
+    batch["turn_ids"] = turn_ids
+    for advantages in (gigpo(batch, 0.5), turn_grpo(batch, 0.5)):
+        assert advantages[row, 0] == 0.0 and advantages.abs().sum() > 0
+
+
 def test_the_estimators_run_on_one_thread_and_give_the_threads_back(monkeypatch):
     """Their per-call vectors are too short for intra-op threads to pay; the process's setting is restored after
     each call, also after an error."""

@@ -23,7 +23,7 @@ import torch
 from agl_core.algorithms.advantages import _group_mean_std, group_ids
 
 __all__ = ["call_ranks", "dense_ids", "discounted_returns", "gigpo", "group_normalized", "keyed_calls",
-           "per_call_rewards", "rollouts_with_own", "to_tokens", "turn_grpo"]
+           "per_call_rewards", "rollouts_with_own", "state_groups", "to_tokens", "turn_grpo"]
 
 
 def call_ranks(rollout: torch.Tensor, turn: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -58,6 +58,24 @@ def dense_ids(key: torch.Tensor, size: int) -> tuple[torch.Tensor, int]:
     present[key.numpy()] = True
     number = np.cumsum(present) - 1
     return torch.from_numpy(number.take(key.numpy())), int(number[-1]) + 1 if size else 0
+
+
+def state_groups(group: torch.Tensor, state: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, int]:
+    """``(state_group, n)``: each call's step group (K,), the dense id of its (``group``, ``state``) pair numbered
+    ``0..n-1``, or -1 for a call without a state (``state`` -1); n the distinct pairs. ``group`` (K,) dense ids
+    below ``n_groups``; ``state`` (K,) any integer ids (:func:`agl_core.data.state_key_ids`).
+
+    The states are numbered by one sort (NumPy's, the faster on the CPU; a batch holds few distinct states,
+    which it sorts fast), the pairs by :func:`dense_ids`.
+    """
+    keyed = keyed_calls(state)
+    state_group = torch.full_like(state, -1)
+    if keyed is None:
+        return state_group, 0
+    states, state_index = np.unique(state[keyed].numpy(), return_inverse=True)
+    state_group[keyed], n = dense_ids(group[keyed] * len(states) + torch.from_numpy(state_index),
+                                      n_groups * len(states))
+    return state_group, n
 
 
 def per_call_rewards(call_reward: torch.Tensor, own: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor,
@@ -109,14 +127,17 @@ def group_normalized(values: torch.Tensor, gid: torch.Tensor, n_groups: int, nor
     A group of one: ``singleton="grpo"`` takes mean 0 and std 1 (verl's GRPO, GiGPO's episode groups: the value
     itself); ``"zero"`` takes its own value as the mean (GiGPO's step groups: advantage 0).
     """
-    count, mean, std = _group_mean_std(values, gid, n_groups, with_std=norm_by_std)
+    count, mean, std = (None if t is None else t.numpy() for t in
+                        _group_mean_std(values, gid, n_groups, with_std=norm_by_std))
     alone = count == 1
+    g = gid.numpy()
     if singleton == "grpo":
-        mean = mean.masked_fill(alone, 0.0)
-    centered = values - mean[gid]
+        np.putmask(mean, alone, 0.0)
+    centered = values.numpy() - mean.take(g)
     if norm_by_std:
-        centered = centered / (std.masked_fill(alone, 1.0)[gid] + epsilon)
-    return centered
+        np.putmask(std, alone, 1.0)
+        centered /= std.take(g) + epsilon
+    return torch.from_numpy(centered)
 
 
 def gigpo(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor, episode_group: torch.Tensor,
@@ -138,10 +159,10 @@ def gigpo(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor, episo
     Args: ``reward``, ``rollout``, ``rank``, ``state_group`` (K,) per call;
     ``episode_group`` (n_rollouts,) dense group ids of the rollouts.
     """
-    episode_return = reward.new_zeros(n_rollouts).index_add_(0, rollout, reward)
+    episode_return = torch.from_numpy(np.bincount(rollout.numpy(), reward.numpy(), n_rollouts))
     n_groups = int(episode_group.max()) + 1 if n_rollouts else 0
     episode = group_normalized(episode_return, episode_group, n_groups, norm_by_std, epsilon, singleton="grpo")
-    advantage = episode[rollout]
+    advantage = torch.from_numpy(episode.numpy().take(rollout.numpy()))
     keyed = keyed_calls(state_group)
     if keyed is not None:
         returns = discounted_returns(reward, rollout, rank, n_rollouts, length, gamma)

@@ -16,7 +16,7 @@ import torch
 
 from agl_core.algorithms.advantages import group_ids
 from agl_core.algorithms.turn_advantages import call_ranks
-from agl_core.data import OWN_REWARD_SOURCES, Batch, state_key_ids
+from agl_core.data import REWARD_FROM_ROLLOUT, Batch, state_key_ids
 
 
 @dataclass
@@ -59,10 +59,12 @@ def batch_calls(batch: Batch) -> BatchCalls:
     if "call_turns" in batch and "turn_ids" in batch:
         call_turns = batch["call_turns"]
         valid = call_turns >= 0  # boolean indexing reads the calls row by row, each row's in call order
-        calls_per_row = valid.sum(1)
+        calls_per_row = np.count_nonzero(valid, axis=1)
         turn = torch.from_numpy(call_turns[valid])
         reward = torch.from_numpy(batch["call_rewards"][valid].astype(np.float64, copy=False))
-        own = torch.from_numpy(_own_reward(batch["call_reward_sources"][valid]))
+        # The sources are the three of data.py; all but the rollout's are the call's own (OWN_REWARD_SOURCES):
+        # one comparison of fixed-width strings where naming the two would take two.
+        own = torch.from_numpy(batch["call_reward_sources"][valid] != REWARD_FROM_ROLLOUT)
         state = torch.from_numpy(batch["call_state_ids"][valid] if "call_state_ids" in batch
                                  else state_key_ids(batch["call_state_keys"][valid]))
         turn_ids = batch["turn_ids"]
@@ -102,61 +104,66 @@ def batch_calls(batch: Batch) -> BatchCalls:
                       call_slot=torch.from_numpy(call_slot), token_slot=torch.from_numpy(token_slot), n_slots=n_slots)
 
 
-def _own_reward(sources: np.ndarray) -> np.ndarray:
-    """Which of ``call_reward_sources`` name a call's own reward (:data:`OWN_REWARD_SOURCES`), as a bool array:
-    one equality per source, cheaper than ``np.isin``'s sort on fixed-width strings."""
-    return np.logical_or.reduce([sources == source for source in OWN_REWARD_SOURCES])
-
-
 def _slots(call_turns: np.ndarray, turn_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     """``(call_slot, token_slot, n_slots)``: a slot per call (K,) and each token's (B, T), its call's.
 
-    Row r's calls take slots ``r * W + turn - first`` (``first`` the row's
-    first turn, W the widest span of turns in a row), so a token finds its
-    call by arithmetic on its turn id, with no search; the tokens no call
-    generated share the last slot. In NumPy: a few passes over (B, T) small
-    ints, each cheaper than a torch op's dispatch and thread hand-off.
+    Row r owns slots ``r * W .. r * W + W - 1`` (W: one more than the widest
+    span of turns in a row). Its first slot is its tokens' that no call
+    generated (turn id -1); its calls take ``r * W + 1 + turn - first``
+    (``first`` the row's first turn), so a token finds its call by arithmetic
+    on its turn id, with no search. In NumPy, and as few passes over the
+    (B, T) tokens as the checks allow: each costs more than all the per-call
+    work.
     """
     valid = call_turns >= 0
     n, width_of_row = call_turns.shape
     first = call_turns[:, 0].clip(0)  # a row's calls are in turn order; a row without calls has none
     offset = call_turns - first[:, None]
-    width = int(offset.max(initial=0)) + 1
+    width = int(offset.max(initial=0)) + 2
     row_start = np.arange(n) * width
-    call_slot = (offset + row_start[:, None])[valid]
-    n_slots = n * width + 1
+    call_slot = (offset + (row_start + 1)[:, None])[valid]
+    n_slots = n * width
     # Slots as narrow as the turn ids where they fit: the (B, T) passes below move half the bytes of int64.
-    narrow = n_slots <= np.iinfo(np.int32).max
-    token_slot = turn_ids + (row_start - first).astype(np.int32 if narrow else np.int64)[:, None]
-    np.copyto(token_slot, n_slots - 1, where=turn_ids < 0)
-    # Every token's turn must be one of its row's calls: within [first, last] (a turn below first is a slot below
-    # its row's start; the tokens no call generated hold the last slot, out of the minimum's way), and where a
-    # row's calls skip a turn, not on a skipped one; and calls in turn order. The row extrema in torch: NumPy's
-    # are 5x slower.
-    if turn_ids.shape[1]:
-        highest = torch.from_numpy(turn_ids).amax(1).numpy()
-        lowest_slot = torch.from_numpy(token_slot).amin(1).numpy()
-    else:
-        highest, lowest_slot = np.full(n, -1), np.full(n, n_slots - 1)
-    if ((highest > call_turns.max(1, initial=-1)).any() or (lowest_slot < row_start).any()
+    index = np.int32 if n_slots <= np.iinfo(np.int32).max else np.int64
+    token_slot = turn_ids + (row_start + 1 - first).astype(index)[:, None]
+    # Every token's turn must be -1 or one of its row's calls: within [first, last] (the row extrema, in torch:
+    # NumPy's are 5x slower), not on a turn its row's calls skip, and the calls in turn order.
+    if not turn_ids.shape[1]:
+        return call_slot, token_slot, n_slots
+    tokens = torch.from_numpy(turn_ids)
+    highest = tokens.amax(1).numpy()
+    below = tokens.amin(1).numpy() < -1
+    if first.any():
+        # A row whose calls start after turn 0 (a row per call): its tokens of turn -1 land below its first slot
+        # and are raised to it. Masking the sign bit turns -1 into the largest int32, out of the minimum's way.
+        np.maximum(token_slot, row_start.astype(index)[:, None], out=token_slot)
+        below |= torch.from_numpy(turn_ids & np.iinfo(np.int32).max).amin(1).numpy() < first
+    # (Where every row's calls start at turn 0, a token of turn -1 lands on its row's first slot as it is.)
+    if (below.any() or (highest > call_turns.max(1, initial=-1)).any()
             or ((offset != np.arange(width_of_row)) & valid).any()):
-        _check_listed(call_turns, turn_ids, token_slot, call_slot, n_slots, first, width)
+        _check_listed(call_turns, turn_ids, call_slot, first, row_start, n_slots)
     return call_slot, token_slot, n_slots
 
 
-def _check_listed(call_turns, turn_ids, token_slot, call_slot, n_slots, first, width) -> None:
-    """Raise a ValueError naming the first row with a token whose turn id is none of its row's calls, or whose
-    calls are out of turn order."""
+def _check_listed(call_turns, turn_ids, call_slot, first, row_start, n_slots) -> None:
+    """Raise a ValueError naming the first row whose calls are out of turn order, or with a token whose turn id
+    is neither -1 nor one of its row's calls."""
     order = np.diff(call_turns, axis=1) <= 0
     unordered = np.flatnonzero((order & (call_turns[:, 1:] >= 0)).any(1))
     if len(unordered):
         raise ValueError(f"row {int(unordered[0])}: call_turns lists its calls out of turn order "
                          f"({call_turns[unordered[0]].tolist()})")
-    relative = turn_ids - first[:, None]
-    inside = (relative >= 0) & (relative < width)
-    listed = np.zeros(n_slots, dtype=bool)
+    negative = np.flatnonzero((turn_ids < -1).any(1))
+    if len(negative):
+        raise ValueError(f"row {int(negative[0])}: turn_ids holds {int(turn_ids[negative[0]].min())}; a token no "
+                         f"call generated holds -1")
+    listed = np.zeros(n_slots + 1, dtype=bool)  # the last entry: a slot outside the table
     listed[call_slot] = True
-    missing = (turn_ids >= 0) & ~(inside & listed[np.where(inside, token_slot, n_slots - 1)])
+    width = n_slots // len(call_turns)
+    relative = turn_ids - first[:, None]
+    slot = relative + (row_start + 1)[:, None]
+    inside = (relative >= 0) & (relative < width - 1)  # on one of the row's own call slots
+    missing = (turn_ids >= 0) & ~listed[np.where(inside, slot, n_slots)]
     if missing.any():
         bad_row = int(np.flatnonzero(missing.any(1))[0])
         raise ValueError(f"row {bad_row}: turn_ids names a call that call_turns does not list "

@@ -110,13 +110,8 @@ def _gigpo(batch, config, ctx=None, *, settings: GiGPOConfig):
 def _gigpo_advantages(batch, config, ctx, settings: GiGPOConfig):
     calls, rank, length, reward = _step_inputs(batch)
     # A step group: the calls of one group (task) made in one state (equal state ids).
-    keyed = T.keyed_calls(calls.state)
-    state_group, n_states, n_keyed = torch.full_like(calls.state, -1), 0, 0
-    if keyed is not None:
-        states, state = np.unique(calls.state[keyed].numpy(), return_inverse=True)  # NumPy's sort: the faster
-        state_group[keyed], n_states = T.dense_ids(calls.group[keyed] * len(states) + torch.from_numpy(state),
-                                                   _n_groups(calls) * len(states))
-        n_keyed = len(state)
+    state_group, n_states = T.state_groups(calls.group, calls.state, _n_groups(calls))
+    n_keyed = int(np.count_nonzero(state_group.numpy() >= 0))
     advantage = T.gigpo(reward, calls.rollout, rank, calls.rollout_group, state_group, calls.n_rollouts, length,
                         config.gamma, step_weight=settings.step_weight, norm_by_std=settings.mode == "mean_std_norm",
                         epsilon=settings.epsilon)

@@ -2,16 +2,22 @@
 
 The hinter is asked for a clue to a secret number ("hint for 3") and writes
 one word. The guesser sees only that word ("clue red") and answers a number.
-Both win (reward 1.0) when the guess is the secret: the pair must agree on a
-code, which neither can learn alone. A round the guesser loses still pays
-``CLUE_BONUS`` when the clue names the secret: from a model built from a
-config (no pretraining), neither role's output depends on its input at first,
-so with the win alone no clue is more useful than another and the pair never
-breaks the symmetry; the bonus makes the obvious code (the secret itself)
-worth learning first, and the guesser then learns to read it. Each role is its own policy of the run
-(its own LoRA adapter on the one base model): the agent makes a client per
-role with ``llm.for_role(name)``, and the gateway routes each call to that
-role's adapter and records the role on the call's span.
+A round pays half (``CLUE_SHARE``) for a clue that names the secret and half
+for a guess that names it: 1.0 takes both roles. Each role is its own policy
+of the run (its own LoRA adapter on the one base model): the agent makes a
+client per role with ``llm.for_role(name)``, and the gateway routes each call
+to that role's adapter and records the role on the call's span.
+
+Why the clue's half is paid whatever the guess: from a model built from a
+config (no pretraining) neither role's output depends on its input at first,
+so with the win alone no clue is worth more than another and the pair never
+agrees on a code. A bonus for the clue paid only on lost rounds is not
+enough: a pair can settle on a code where one clue serves two secrets (the
+hinter says "1" for both 1 and 4, the guesser reads "1" as 4), because the
+hinter then earns more with the wrong clue the guesser reads than with the
+right one it cannot read yet, and never tries the right one again. Paid on
+every round, the clue that names the secret is the hinter's best whatever
+the guesser does, and the guesser learns to read it.
 
 Validation games are played greedily (temperature 0); training games use the
 recipe's sampling (``llm.sampling``).
@@ -29,8 +35,8 @@ from agl_core.data import Task
 
 NUMBER = re.compile(r"-?\d+")
 HINTER, GUESSER = "hinter", "guesser"
-CLUE_BONUS = 0.3
-"""The reward of a lost round whose clue names the secret."""
+CLUE_SHARE = 0.5
+"""The part of a round's reward paid for a clue that names the secret; the rest is paid for a guess that does."""
 
 HTTP = per_thread(DefaultHttpxClient)
 """An HTTP client per worker thread, reused by its games (see examples/guess_number/agent.py)."""
@@ -53,11 +59,9 @@ def ask(llm, prompt: str, temperature: float) -> str:
 
 @agent("two_roles")
 def two_roles(task: Task, llm) -> float:
-    """Play one round: the hinter's clue, the guesser's number; 1.0 when it is the secret."""
+    """Play one round: the hinter's clue, the guesser's number; 1.0 when both name the secret."""
     secret = task.input["secret"]
     temperature = 0.0 if task.split == "val" else llm.sampling.get("temperature", 1.0)
     clue = ask(llm.for_role(HINTER), f"hint for {secret}", temperature)
     guess = first_number(ask(llm.for_role(GUESSER), f"clue {clue}".strip(), temperature))
-    if guess == secret:
-        return 1.0
-    return CLUE_BONUS if first_number(clue) == secret else 0.0
+    return CLUE_SHARE * (first_number(clue) == secret) + (1 - CLUE_SHARE) * (guess == secret)
