@@ -25,7 +25,7 @@ Three parts, one JSON line with every figure:
   every seed. A short run: ``--steps 20 --seeds 0``.
 
     python benchmarks/bench_multi_policy.py [--hidden 256] [--layers 4] [--vocab 2000] [--rank 8] [--rows 16]
-        [--new-tokens 32] [--threads 2] [--learning [--seeds 0 1 2] [--steps 40] [--goal 0.8]]
+        [--new-tokens 32] [--threads 2] [--learning [--seeds 0 1 2] [--steps 80] [--goal 0.8]]
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--learning", action="store_true")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=80, help="training steps of every run (the recipe's 80)")
     parser.add_argument("--goal", type=float, default=0.8)
     parser.add_argument("--memory-side", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--adapters", type=int, default=4, help=argparse.SUPPRESS)

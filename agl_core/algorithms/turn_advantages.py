@@ -32,19 +32,22 @@ def call_ranks(rollout: torch.Tensor, turn: torch.Tensor) -> tuple[torch.Tensor,
     in the trace."""
     if rollout.numel() == 0:
         return torch.zeros(0, dtype=torch.long), 0
-    key = rollout * (int(turn.max()) + 1) + turn
+    rollout_, turn_ = rollout.numpy(), turn.numpy()
+    key = rollout_ * (int(turn_.max()) + 1) + turn_
     # The aggregators list each rollout's calls together and in turn order: then the calls need no sort.
-    in_order = bool((key[1:] > key[:-1]).all())
-    order = None if in_order else torch.argsort(key)
-    sorted_rollout = rollout if order is None else rollout[order]
-    starts = torch.ones_like(sorted_rollout, dtype=torch.bool)
-    starts[1:] = sorted_rollout[1:] != sorted_rollout[:-1]
-    position = torch.arange(len(key))
-    first = torch.cummax(torch.where(starts, position, 0), 0).values  # where each call's rollout starts
+    order = None if bool((key[1:] > key[:-1]).all()) else np.argsort(key, kind="stable")
+    sorted_rollout = rollout_ if order is None else rollout_[order]
+    position = np.arange(len(key))
+    starts = np.empty(len(key), dtype=bool)
+    starts[0] = True
+    np.not_equal(sorted_rollout[1:], sorted_rollout[:-1], out=starts[1:])
+    first = np.maximum.accumulate(np.where(starts, position, 0))  # where each call's rollout starts
     rank = position - first
     if order is not None:
-        rank = torch.empty_like(order).index_copy_(0, order, rank)
-    return rank, int(rank.max()) + 1
+        unsorted = np.empty_like(rank)
+        unsorted[order] = rank
+        rank = unsorted
+    return torch.from_numpy(rank), int(rank.max()) + 1
 
 
 def dense_ids(key: torch.Tensor, size: int) -> tuple[torch.Tensor, int]:
@@ -200,10 +203,9 @@ def to_tokens(call_advantage: torch.Tensor, call_slot: torch.Tensor, token_slot:
     Calls and tokens meet in a table of ``n_slots`` slots: ``call_slot`` (K,)
     is each call's slot, ``token_slot`` (B, T) each token's (its call's); a
     token on a slot no call holds (one no call generated) gets 0. One gather
-    and one product, in NumPy: single passes with no thread hand-off (CPU tensors).
+    and one product over the tokens.
     """
     table = np.zeros(n_slots, dtype=np.float32)
-    table[call_slot.numpy()] = call_advantage.numpy().astype(np.float32)  # NumPy's scatter: half torch's index_put
-    advantages = table.take(token_slot.numpy())
-    np.multiply(advantages, response_mask.numpy(), out=advantages, dtype=np.float32)
-    return torch.from_numpy(advantages)
+    table[call_slot.numpy()] = call_advantage.numpy()  # NumPy's scatter: half torch's index_put
+    advantages = torch.from_numpy(table).index_select(0, token_slot.view(-1)).view(token_slot.shape)
+    return advantages.mul_(response_mask)

@@ -35,7 +35,8 @@ class BatchCalls:
     rollout_group: torch.Tensor  # (n_rollouts,) long: dense group id of each rollout
     state: torch.Tensor  # (K,) long: the call's ``call_state_ids`` (its state key's id), -1 for a call without one
     call_slot: torch.Tensor  # (K,) long: each call's slot (see turn_advantages.to_tokens)
-    token_slot: torch.Tensor  # (B, T) long: each token's slot, its call's; tokens no call generated share one
+    token_slot: torch.Tensor  # (B, T) int32 (int64 past 2^31 slots): each token's slot, its call's; a token no call
+    # generated has its row's first slot, which no call holds
     n_slots: int
 
 
@@ -77,10 +78,11 @@ def batch_calls(batch: Batch) -> BatchCalls:
         own = torch.zeros(n, dtype=torch.bool)
         state = torch.full((n,), -1, dtype=torch.long)
         turn_ids = torch.where(mask.bool(), turn[:, None], -1).to(torch.int32)
-    call_slot, token_slot, n_slots = _slots(call_turns, turn_ids.numpy())
+    call_slot, token_slot, n_slots = _slots(call_turns, turn_ids)
     kl = None
     if rewards.data_ptr() != scores.data_ptr():  # the KL penalty is in the reward
-        penalty = np.bincount(token_slot.ravel(), (rewards - scores).to(torch.float64).numpy().ravel(), n_slots)
+        penalty = np.bincount(token_slot.numpy().ravel(), (rewards - scores).to(torch.float64).numpy().ravel(),
+                              n_slots)
         kl = torch.from_numpy(penalty[call_slot])
     rollout_of_row, n_rollouts = group_ids(batch["rollout_id"])
     if n_rollouts == n:  # a row per rollout, numbered in row order: rollout r is row r
@@ -91,7 +93,7 @@ def batch_calls(batch: Batch) -> BatchCalls:
         rollout_group, _ = group_ids(np.asarray(batch["uid"])[first_row])
     # Each row's rollout and group, repeated for its calls: NumPy's repeat, cheaper than a gather per call.
     rollout = torch.from_numpy(np.repeat(rollout_of_row.numpy(), calls_per_row))
-    group = torch.from_numpy(np.repeat(rollout_group[rollout_of_row].numpy(), calls_per_row))
+    group = torch.from_numpy(np.repeat(rollout_group.numpy().take(rollout_of_row.numpy()), calls_per_row))
     if n_rollouts == n:  # a row per rollout (merged trajectories): a call's rank is its place in its row
         rank = torch.from_numpy(np.arange(len(turn)) - np.repeat(np.cumsum(calls_per_row) - calls_per_row,
                                                                   calls_per_row))
@@ -101,19 +103,19 @@ def batch_calls(batch: Batch) -> BatchCalls:
     return BatchCalls(reward=reward, own=own, kl=kl, turn=turn, rank=rank, length=length, rollout=rollout,
                       n_rollouts=n_rollouts,
                       group=group, rollout_group=rollout_group, state=state,
-                      call_slot=torch.from_numpy(call_slot), token_slot=torch.from_numpy(token_slot), n_slots=n_slots)
+                      call_slot=torch.from_numpy(call_slot), token_slot=token_slot, n_slots=n_slots)
 
 
-def _slots(call_turns: np.ndarray, turn_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+def _slots(call_turns: np.ndarray, turn_ids: torch.Tensor) -> tuple[np.ndarray, torch.Tensor, int]:
     """``(call_slot, token_slot, n_slots)``: a slot per call (K,) and each token's (B, T), its call's.
 
     Row r owns slots ``r * W .. r * W + W - 1`` (W: one more than the widest
     span of turns in a row). Its first slot is its tokens' that no call
     generated (turn id -1); its calls take ``r * W + 1 + turn - first``
     (``first`` the row's first turn), so a token finds its call by arithmetic
-    on its turn id, with no search. In NumPy, and as few passes over the
-    (B, T) tokens as the checks allow: each costs more than all the per-call
-    work.
+    on its turn id, with no search. The calls in NumPy; the tokens, many
+    more, in as few torch passes as the checks allow (torch's elementwise
+    ops and row extrema are the faster on the CPU, and use its threads).
     """
     valid = call_turns >= 0
     n, width_of_row = call_turns.shape
@@ -123,25 +125,24 @@ def _slots(call_turns: np.ndarray, turn_ids: np.ndarray) -> tuple[np.ndarray, np
     row_start = np.arange(n) * width
     call_slot = (offset + (row_start + 1)[:, None])[valid]
     n_slots = n * width
-    # Slots as narrow as the turn ids where they fit: the (B, T) passes below move half the bytes of int64.
-    index = np.int32 if n_slots <= np.iinfo(np.int32).max else np.int64
-    token_slot = turn_ids + (row_start + 1 - first).astype(index)[:, None]
-    # Every token's turn must be -1 or one of its row's calls: within [first, last] (the row extrema, in torch:
-    # NumPy's are 5x slower), not on a turn its row's calls skip, and the calls in turn order.
+    # Slots as narrow as the turn ids where they fit: the passes over the tokens move half the bytes of int64.
+    index = torch.int32 if n_slots <= torch.iinfo(torch.int32).max else torch.int64
+    token_slot = turn_ids.to(index) + torch.from_numpy(row_start + 1 - first).to(index)[:, None]
+    # Every token's turn must be -1 or one of its row's calls: within [first, last], not on a turn its row's calls
+    # skip, and the calls in turn order.
     if not turn_ids.shape[1]:
         return call_slot, token_slot, n_slots
-    tokens = torch.from_numpy(turn_ids)
-    highest = tokens.amax(1).numpy()
-    below = tokens.amin(1).numpy() < -1
+    highest = turn_ids.amax(1).numpy()
+    below = turn_ids.amin(1).numpy() < -1
     if first.any():
         # A row whose calls start after turn 0 (a row per call): its tokens of turn -1 land below its first slot
         # and are raised to it. Masking the sign bit turns -1 into the largest int32, out of the minimum's way.
-        np.maximum(token_slot, row_start.astype(index)[:, None], out=token_slot)
-        below |= torch.from_numpy(turn_ids & np.iinfo(np.int32).max).amin(1).numpy() < first
+        torch.maximum(token_slot, torch.from_numpy(row_start).to(index)[:, None], out=token_slot)
+        below |= (turn_ids & torch.iinfo(torch.int32).max).amin(1).numpy() < first
     # (Where every row's calls start at turn 0, a token of turn -1 lands on its row's first slot as it is.)
     if (below.any() or (highest > call_turns.max(1, initial=-1)).any()
             or ((offset != np.arange(width_of_row)) & valid).any()):
-        _check_listed(call_turns, turn_ids, call_slot, first, row_start, n_slots)
+        _check_listed(call_turns, turn_ids.numpy(), call_slot, first, row_start, n_slots)
     return call_slot, token_slot, n_slots
 
 

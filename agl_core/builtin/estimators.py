@@ -79,9 +79,10 @@ def _remax(batch, config):
 
 @contextlib.contextmanager
 def _one_thread():
-    """torch's intra-op parallelism off for the step-level math: its vectors hold one entry per call (32,768 for
-    4,096 rollouts of 8 turns), too short for handing work to a second thread to pay; on 2 threads every such op
-    paid the hand-off and the estimators took twice as long. Restored after, also on an error."""
+    """torch's intra-op parallelism off for the step-level math over calls: its vectors hold one entry per call
+    (32,768 for 4,096 rollouts of 8 turns), too short for handing work to a second thread to pay; on 2 threads
+    every such op paid the hand-off and the estimators took twice as long. The passes over the tokens, ten times
+    longer, keep the threads. Restored after, also on an error."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -90,11 +91,16 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
-def _step_inputs(batch):
-    """The calls of ``batch``, their ranks within their rollouts, and their rewards r_t (KL penalty included)."""
-    calls = batch_calls.batch_calls(batch)
+def _call_rewards(calls):
+    """Each call's reward r_t, KL penalty included."""
     reward = T.per_call_rewards(calls.reward, calls.own, calls.rollout, calls.rank, calls.n_rollouts)
-    return calls, calls.rank, calls.length, reward if calls.kl is None else reward + calls.kl
+    return reward if calls.kl is None else reward + calls.kl
+
+
+def _on_tokens(advantage, calls, batch):
+    """``(advantages, returns)`` of the estimator: each call's advantage on its tokens, both."""
+    advantages = T.to_tokens(advantage, calls.call_slot, calls.token_slot, calls.n_slots, batch["response_mask"])
+    return advantages, advantages
 
 
 def _report(ctx, metrics: dict[str, float]) -> None:
@@ -103,23 +109,19 @@ def _report(ctx, metrics: dict[str, float]) -> None:
 
 
 def _gigpo(batch, config, ctx=None, *, settings: GiGPOConfig):
+    calls = batch_calls.batch_calls(batch)
     with _one_thread():
-        return _gigpo_advantages(batch, config, ctx, settings)
-
-
-def _gigpo_advantages(batch, config, ctx, settings: GiGPOConfig):
-    calls, rank, length, reward = _step_inputs(batch)
-    # A step group: the calls of one group (task) made in one state (equal state ids).
-    state_group, n_states = T.state_groups(calls.group, calls.state, _n_groups(calls))
-    n_keyed = int(np.count_nonzero(state_group.numpy() >= 0))
-    advantage = T.gigpo(reward, calls.rollout, rank, calls.rollout_group, state_group, calls.n_rollouts, length,
-                        config.gamma, step_weight=settings.step_weight, norm_by_std=settings.mode == "mean_std_norm",
-                        epsilon=settings.epsilon)
-    _report(ctx, {"advantage/calls": float(len(reward)), "advantage/calls_with_state_key": float(n_keyed),
-                  "advantage/step_group_size_mean": n_keyed / n_states if n_states else 0.0,
-                  "advantage/rollouts_outcome_only": float(calls.n_rollouts - _rollouts_with_own(calls))})
-    advantages = T.to_tokens(advantage, calls.call_slot, calls.token_slot, calls.n_slots, batch["response_mask"])
-    return advantages, advantages
+        reward = _call_rewards(calls)
+        # A step group: the calls of one group (task) made in one state (equal state ids).
+        state_group, n_states = T.state_groups(calls.group, calls.state, _n_groups(calls))
+        n_keyed = int(np.count_nonzero(state_group.numpy() >= 0))
+        advantage = T.gigpo(reward, calls.rollout, calls.rank, calls.rollout_group, state_group, calls.n_rollouts,
+                            calls.length, config.gamma, step_weight=settings.step_weight,
+                            norm_by_std=settings.mode == "mean_std_norm", epsilon=settings.epsilon)
+        _report(ctx, {"advantage/calls": float(len(reward)), "advantage/calls_with_state_key": float(n_keyed),
+                      "advantage/step_group_size_mean": n_keyed / n_states if n_states else 0.0,
+                      "advantage/rollouts_outcome_only": float(calls.n_rollouts - _rollouts_with_own(calls))})
+    return _on_tokens(advantage, calls, batch)
 
 
 def _n_groups(calls) -> int:
@@ -132,19 +134,16 @@ def _rollouts_with_own(calls) -> int:
 
 
 def _turn_grpo(batch, config, ctx=None):
+    calls = batch_calls.batch_calls(batch)
     with _one_thread():
-        return _turn_grpo_advantages(batch, config, ctx)
-
-
-def _turn_grpo_advantages(batch, config, ctx):
-    calls, rank, length, reward = _step_inputs(batch)
-    turn_group, _ = T.dense_ids(calls.group * length + rank, _n_groups(calls) * length)  # a task's t-th calls
-    advantage = T.turn_grpo(reward, calls.rollout, rank, turn_group, calls.n_rollouts, length, config.gamma,
-                            norm_by_std=config.norm_adv_by_std_in_grpo)
-    _report(ctx, {"advantage/calls": float(len(reward)),
-                  "advantage/rollouts_outcome_only": float(calls.n_rollouts - _rollouts_with_own(calls))})
-    advantages = T.to_tokens(advantage, calls.call_slot, calls.token_slot, calls.n_slots, batch["response_mask"])
-    return advantages, advantages
+        reward = _call_rewards(calls)
+        # A turn group: a task's t-th calls.
+        turn_group, _ = T.dense_ids(calls.group * calls.length + calls.rank, _n_groups(calls) * calls.length)
+        advantage = T.turn_grpo(reward, calls.rollout, calls.rank, turn_group, calls.n_rollouts, calls.length,
+                                config.gamma, norm_by_std=config.norm_adv_by_std_in_grpo)
+        _report(ctx, {"advantage/calls": float(len(reward)),
+                      "advantage/rollouts_outcome_only": float(calls.n_rollouts - _rollouts_with_own(calls))})
+    return _on_tokens(advantage, calls, batch)
 
 
 @hookimpl
