@@ -59,26 +59,32 @@ def batch_calls(batch: Batch) -> BatchCalls:
     scores = batch["token_level_scores"] if "token_level_scores" in batch else rewards
     if "call_turns" in batch and "turn_ids" in batch:
         call_turns = batch["call_turns"]
-        valid = call_turns >= 0  # boolean indexing reads the calls row by row, each row's in call order
-        calls_per_row = np.count_nonzero(valid, axis=1)
-        turn = torch.from_numpy(call_turns[valid])
-        reward = torch.from_numpy(batch["call_rewards"][valid].astype(np.float64, copy=False))
+        valid = call_turns >= 0
+        # Rows that all hold as many calls as the columns are wide (a row per call, merged rows of equal length):
+        # the calls are the columns' entries in order, read as views. Else boolean indexing reads them row by
+        # row, each row's in call order.
+        every = bool(valid.all())
+        calls_of = np.ravel if every else (lambda column: column[valid])
+        calls_per_row = call_turns.shape[1] if every else np.count_nonzero(valid, axis=1)
+        turn = torch.from_numpy(calls_of(call_turns))
+        reward = torch.from_numpy(calls_of(batch["call_rewards"]).astype(np.float64, copy=False))
         # The sources are the three of data.py; all but the rollout's are the call's own (OWN_REWARD_SOURCES):
         # one comparison of fixed-width strings where naming the two would take two.
-        own = torch.from_numpy(batch["call_reward_sources"][valid] != REWARD_FROM_ROLLOUT)
-        state = torch.from_numpy(batch["call_state_ids"][valid] if "call_state_ids" in batch
-                                 else state_key_ids(batch["call_state_keys"][valid]))
+        own = torch.from_numpy(calls_of(batch["call_reward_sources"]) != REWARD_FROM_ROLLOUT)
+        state = torch.from_numpy(calls_of(batch["call_state_ids"]) if "call_state_ids" in batch
+                                 else state_key_ids(calls_of(batch["call_state_keys"])))
         turn_ids = batch["turn_ids"]
     else:
-        calls_per_row = np.ones(n, dtype=np.int64)
+        calls_per_row = 1
         turn = torch.from_numpy(np.asarray(batch["turn_index"], dtype=np.int64)) if "turn_index" in batch \
             else torch.zeros(n, dtype=torch.long)
         call_turns = turn.numpy()[:, None]
+        valid = call_turns >= 0
         reward = scores.sum(-1, dtype=torch.float64)
         own = torch.zeros(n, dtype=torch.bool)
         state = torch.full((n,), -1, dtype=torch.long)
         turn_ids = torch.where(mask.bool(), turn[:, None], -1).to(torch.int32)
-    call_slot, token_slot, n_slots = _slots(call_turns, turn_ids)
+    call_slot, token_slot, n_slots = _slots(call_turns, valid, turn_ids)
     kl = None
     if rewards.data_ptr() != scores.data_ptr():  # the KL penalty is in the reward
         penalty = np.bincount(token_slot.numpy().ravel(), (rewards - scores).to(torch.float64).numpy().ravel(),
@@ -94,7 +100,9 @@ def batch_calls(batch: Batch) -> BatchCalls:
     # Each row's rollout and group, repeated for its calls: NumPy's repeat, cheaper than a gather per call.
     rollout = torch.from_numpy(np.repeat(rollout_of_row.numpy(), calls_per_row))
     group = torch.from_numpy(np.repeat(rollout_group.numpy().take(rollout_of_row.numpy()), calls_per_row))
-    if n_rollouts == n:  # a row per rollout (merged trajectories): a call's rank is its place in its row
+    if n_rollouts == n and np.ndim(calls_per_row) == 0:  # a row per rollout, each with as many calls
+        rank, length = torch.from_numpy(np.tile(np.arange(calls_per_row), n)), calls_per_row if n else 0
+    elif n_rollouts == n:  # a row per rollout (merged trajectories): a call's rank is its place in its row
         rank = torch.from_numpy(np.arange(len(turn)) - np.repeat(np.cumsum(calls_per_row) - calls_per_row,
                                                                   calls_per_row))
         length = int(calls_per_row.max(initial=0))
@@ -106,7 +114,7 @@ def batch_calls(batch: Batch) -> BatchCalls:
                       call_slot=torch.from_numpy(call_slot), token_slot=token_slot, n_slots=n_slots)
 
 
-def _slots(call_turns: np.ndarray, turn_ids: torch.Tensor) -> tuple[np.ndarray, torch.Tensor, int]:
+def _slots(call_turns: np.ndarray, valid: np.ndarray, turn_ids: torch.Tensor) -> tuple[np.ndarray, torch.Tensor, int]:
     """``(call_slot, token_slot, n_slots)``: a slot per call (K,) and each token's (B, T), its call's.
 
     Row r owns slots ``r * W .. r * W + W - 1`` (W: one more than the widest
@@ -117,13 +125,13 @@ def _slots(call_turns: np.ndarray, turn_ids: torch.Tensor) -> tuple[np.ndarray, 
     more, in as few torch passes as the checks allow (torch's elementwise
     ops and row extrema are the faster on the CPU, and use its threads).
     """
-    valid = call_turns >= 0
     n, width_of_row = call_turns.shape
     first = call_turns[:, 0].clip(0)  # a row's calls are in turn order; a row without calls has none
     offset = call_turns - first[:, None]
     width = int(offset.max(initial=0)) + 2
     row_start = np.arange(n) * width
-    call_slot = (offset + (row_start + 1)[:, None])[valid]
+    call_slot = offset + (row_start + 1)[:, None]
+    call_slot = call_slot.reshape(-1) if valid.all() else call_slot[valid]
     n_slots = n * width
     # Slots as narrow as the turn ids where they fit: the passes over the tokens move half the bytes of int64.
     index = torch.int32 if n_slots <= torch.iinfo(torch.int32).max else torch.int64
