@@ -296,3 +296,15 @@ def test_the_estimators_run_on_one_thread_and_give_the_threads_back(monkeypatch)
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("distinct", [0, 1, 3, 24, 200, 5000])
+def test_numbered_is_np_unique_inverse(distinct):
+    """State ids numbered by their low bits where those tell the distinct ids apart, else by a sort: the same ids
+    either way. Digests (random 63-bit), and multiples of 2^20, whose low bits all agree."""
+    rng = np.random.default_rng(distinct)
+    for values in (rng.integers(0, 2**63 - 1, distinct), np.arange(distinct, dtype=np.int64) << 20):
+        keys = values[rng.integers(0, distinct, 3000)] if distinct else values
+        ids, n = T.numbered(keys)
+        expected, inverse = np.unique(keys, return_inverse=True)
+        assert n == len(expected) and ids.tolist() == inverse.tolist()
