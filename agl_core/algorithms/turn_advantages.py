@@ -37,12 +37,8 @@ def call_ranks(rollout: torch.Tensor, turn: torch.Tensor) -> tuple[torch.Tensor,
     # The aggregators list each rollout's calls together and in turn order: then the calls need no sort.
     order = None if bool((key[1:] > key[:-1]).all()) else np.argsort(key, kind="stable")
     sorted_rollout = rollout_ if order is None else rollout_[order]
-    position = np.arange(len(key))
-    starts = np.empty(len(key), dtype=bool)
-    starts[0] = True
-    np.not_equal(sorted_rollout[1:], sorted_rollout[:-1], out=starts[1:])
-    first = np.maximum.accumulate(np.where(starts, position, 0))  # where each call's rollout starts
-    rank = position - first
+    starts = np.flatnonzero(np.diff(sorted_rollout, prepend=-1))  # where each rollout's calls start
+    rank = np.arange(len(key)) - np.repeat(starts, np.diff(starts, append=len(key)))
     if order is not None:
         unsorted = np.empty_like(rank)
         unsorted[order] = rank

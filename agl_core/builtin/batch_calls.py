@@ -94,8 +94,7 @@ def batch_calls(batch: Batch) -> BatchCalls:
     if n_rollouts == n:  # a row per rollout, numbered in row order: rollout r is row r
         rollout_group, _ = group_ids(batch["uid"])
     else:  # a rollout's rows share its uid: the groups are read off each rollout's first row
-        # Rollouts are numbered in order of first appearance: a rollout's first row raises the running maximum.
-        first_row = np.flatnonzero(np.diff(np.maximum.accumulate(rollout_of_row.numpy()), prepend=-1))
+        first_row = _first_rows(rollout_of_row.numpy(), n_rollouts)
         rollout_group, _ = group_ids(np.asarray(batch["uid"])[first_row])
     # Each row's rollout and group, repeated for its calls: NumPy's repeat, cheaper than a gather per call.
     rollout = torch.from_numpy(np.repeat(rollout_of_row.numpy(), calls_per_row))
@@ -114,6 +113,15 @@ def batch_calls(batch: Batch) -> BatchCalls:
                       call_slot=torch.from_numpy(call_slot), token_slot=token_slot, n_slots=n_slots)
 
 
+def _first_rows(rollout: np.ndarray, n_rollouts: int) -> np.ndarray:
+    """Each rollout's first row (n_rollouts,), rollouts numbered in order of first appearance (``group_ids``)."""
+    starts = np.flatnonzero(np.diff(rollout, prepend=-1))
+    if len(starts) == n_rollouts:  # each rollout's rows together (what the aggregators write): its run's start
+        return starts
+    # A rollout's first row raises the running maximum.
+    return np.flatnonzero(np.diff(np.maximum.accumulate(rollout), prepend=-1))
+
+
 def _slots(call_turns: np.ndarray, valid: np.ndarray, turn_ids: torch.Tensor) -> tuple[np.ndarray, torch.Tensor, int]:
     """``(call_slot, token_slot, n_slots)``: a slot per call (K,) and each token's (B, T), its call's.
 
@@ -123,23 +131,23 @@ def _slots(call_turns: np.ndarray, valid: np.ndarray, turn_ids: torch.Tensor) ->
     (``first`` the row's first turn), so a token finds its call by arithmetic
     on its turn id, with no search. The calls in NumPy; the tokens, many
     more, in as few torch passes as the checks allow (torch's elementwise
-    ops and row extrema are the faster on the CPU, and use its threads).
+    ops and row extrema are the faster on the CPU).
     """
     n, width_of_row = call_turns.shape
-    first = call_turns[:, 0].clip(0)  # a row's calls are in turn order; a row without calls has none
+    every = bool(valid.all())
+    first = np.maximum(call_turns[:, 0], 0)  # a row's calls are in turn order; a row without calls has none
     offset = call_turns - first[:, None]
     width = int(offset.max(initial=0)) + 2
     row_start = np.arange(n) * width
     call_slot = offset + (row_start + 1)[:, None]
-    call_slot = call_slot.reshape(-1) if valid.all() else call_slot[valid]
-    n_slots = n * width
+    call_slot = call_slot.reshape(-1) if every else call_slot[valid]
     # Slots as narrow as the turn ids where they fit: the passes over the tokens move half the bytes of int64.
-    index = torch.int32 if n_slots <= torch.iinfo(torch.int32).max else torch.int64
+    index = torch.int32 if n * width <= torch.iinfo(torch.int32).max else torch.int64
     token_slot = turn_ids.to(index) + torch.from_numpy(row_start + 1 - first).to(index)[:, None]
     # Every token's turn must be -1 or one of its row's calls: within [first, last], not on a turn its row's calls
     # skip, and the calls in turn order.
     if not turn_ids.shape[1]:
-        return call_slot, token_slot, n_slots
+        return call_slot, token_slot, n * width
     highest = turn_ids.amax(1).numpy()
     below = turn_ids.amin(1).numpy() < -1
     if first.any():
@@ -148,10 +156,11 @@ def _slots(call_turns: np.ndarray, valid: np.ndarray, turn_ids: torch.Tensor) ->
         torch.maximum(token_slot, torch.from_numpy(row_start).to(index)[:, None], out=token_slot)
         below |= (turn_ids & torch.iinfo(torch.int32).max).amin(1).numpy() < first
     # (Where every row's calls start at turn 0, a token of turn -1 lands on its row's first slot as it is.)
-    if (below.any() or (highest > call_turns.max(1, initial=-1)).any()
-            or ((offset != np.arange(width_of_row)) & valid).any()):
-        _check_listed(call_turns, turn_ids.numpy(), call_slot, first, row_start, n_slots)
-    return call_slot, token_slot, n_slots
+    last = call_turns[:, -1] if every else call_turns.max(1, initial=-1)  # in turn order, if not: refused below
+    skips = offset != np.arange(width_of_row)
+    if below.any() or (highest > last).any() or (skips.any() if every else (skips & valid).any()):
+        _check_listed(call_turns, turn_ids.numpy(), call_slot, first, row_start, n * width)
+    return call_slot, token_slot, n * width
 
 
 def _check_listed(call_turns, turn_ids, call_slot, first, row_start, n_slots) -> None:
