@@ -130,6 +130,8 @@ def _n_groups(calls) -> int:
 
 def _rollouts_with_own(calls) -> int:
     """Rollouts with at least one call that has its own reward (the others fall back to their outcome)."""
+    if bool(calls.own.all()):  # an agent that rewards every call: all of them, with no scatter over the calls
+        return calls.n_rollouts
     return int(T.rollouts_with_own(calls.own, calls.rollout, calls.n_rollouts).sum())
 
 
