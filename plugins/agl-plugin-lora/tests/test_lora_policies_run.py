@@ -110,3 +110,25 @@ def test_agent_match_trains_only_the_selected_role(tmp_path):
     assert moved == {"planner"}  # the solver's calls were served and recorded, never trained
     assert "policy/planner/rows" in metrics and "policy/solver/rows" not in metrics
     assert list(trainer.ctx.state["torch"].policy_optims.optims) == ["planner"]
+
+
+def test_agl_eval_serves_every_adapter_of_a_checkpoint_as_the_run_validated_it(tmp_path, monkeypatch):
+    """``agl eval --checkpoint`` of a run of several policies restores every adapter into the recipe's model (as
+    a resume does) and serves each role through its own: the greedy games of examples/two_roles give what the
+    run's validation of that step gave, which the untrained adapters do not."""
+    from pathlib import Path
+
+    from agl_core.cli import main
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[3])  # the example's paths are relative to the repository
+    run_dir = tmp_path / "run"
+    assert main(["train", "examples/two_roles/recipe.yaml", f"trainer.run_dir={run_dir}", "trainer.total_steps=5",
+                 "trainer.test_freq=5", "trainer.save_freq=5", "trainer.progress=false"]) == 0
+    validation = {m["step"]: m["val/reward/mean"] for m in map(json.loads, (run_dir / "metrics.jsonl").open())
+                  if "val/reward/mean" in m}
+    assert validation[5] != validation[0]  # five steps moved the pair: the check below tells the two apart
+    out = tmp_path / "eval.jsonl"
+    assert main(["eval", "examples/two_roles/recipe.yaml", "--checkpoint", str(run_dir), "-o", str(out)]) == 0
+    summary = json.loads((tmp_path / "eval.summary.json").read_text())
+    assert summary["n_rollouts"] == 5 and summary["n_failed"] == 0
+    assert summary["reward_mean"] == validation[5]

@@ -77,20 +77,29 @@ def cmd_eval(args) -> int:
 # ------------------------------------------------------------------ running
 
 
-def checkpoint_model_dir(path: Path) -> Path:
-    """The Hugging Face model directory of ``path``: itself, its ``actor/``, or a run's latest checkpoint's."""
-    from agl_core.checkpoint import latest_checkpoint
+def checkpoint_source(path: Path) -> tuple[Path | None, Path | None]:
+    """``(model_dir, checkpoint)``: what ``--checkpoint path`` serves.
+
+    A Hugging Face model directory (``path`` itself, its ``actor/``, or a run's
+    latest checkpoint's ``actor/``) is served as the recipe's model: ``(model_dir,
+    None)``. A checkpoint whose actor is not a whole model (a LoRA adapter, the
+    adapters of several policies) is restored as the trainer resumes it, into
+    the recipe's own model: ``(None, checkpoint)``; the recipe must then be the
+    one the run trained with.
+    """
+    from agl_core.checkpoint import locate
 
     if (path / "config.json").is_file():
-        return path
+        return path, None
     if (path / "actor" / "config.json").is_file():
-        return path / "actor"
-    latest = latest_checkpoint(path) if path.is_dir() else None
+        return path / "actor", None
+    latest = locate(path)[1] if path.is_dir() else None
     if latest is not None and (latest / "actor" / "config.json").is_file():
-        return latest / "actor"
-    if latest is not None or (path / "actor").is_dir():
-        raise ValueError(f"--checkpoint {path}: its actor is not a whole model (an adapter?); write one with "
-                         f"`agl export {path} OUT --merged` and evaluate OUT")
+        return latest / "actor", None
+    if latest is not None:
+        return None, latest
+    if path.name == "actor" and locate(path.parent)[1] == path.parent:  # a checkpoint's adapters: the checkpoint
+        return None, path.parent
     raise ValueError(f"--checkpoint {path}: not a model directory, a checkpoint or a run directory with one")
 
 
@@ -112,6 +121,7 @@ def evaluate(recipe_path: str, overrides: list[str], plugin_flags: list[str], *,
              endpoint: str | None = None, model: str | None = None, split: str = "val", n: int = 1,
              limit: int | None = None, success: float = 1.0, out: Path = Path("eval.jsonl")) -> dict[str, Any]:
     """Run the evaluation; write the results and the summary; return the summary."""
+    from agl_core.checkpoint import load as load_checkpoint_state
     from agl_core.components import Components
     from agl_core.config import load
     from agl_core.context import TrainContext
@@ -120,9 +130,9 @@ def evaluate(recipe_path: str, overrides: list[str], plugin_flags: list[str], *,
 
     work = Path(tempfile.mkdtemp(prefix="agl-eval-"))
     overrides = [*overrides, f"trainer.run_dir={work / 'run'}", "trainer.progress=true"]
-    if checkpoint is not None:
-        overrides += [f"plugins.torch.model.path={checkpoint_model_dir(Path(checkpoint))}",
-                      "plugins.torch.model.build=null"]
+    model_dir, restore = checkpoint_source(Path(checkpoint)) if checkpoint is not None else (None, None)
+    if model_dir is not None:
+        overrides += [f"plugins.torch.model.path={model_dir}", "plugins.torch.model.build=null"]
     if model is not None:
         overrides.append(f"rollout.model={model}")
     flags = [*plugin_flags, *(f"no:{name}" for name in TRAINING_ONLY)]
@@ -144,6 +154,9 @@ def evaluate(recipe_path: str, overrides: list[str], plugin_flags: list[str], *,
     ctx.run_id = f"eval-{int(time.time())}"
     ctx.run_dir.mkdir(parents=True)
     try:
+        if restore is not None:  # adapters: every plugin restores its part, as when the trainer resumes
+            ctx.step = load_checkpoint_state(restore)["step"]
+            plugins.broadcast("load_checkpoint", ctx=ctx, path=str(restore))
         plugins.broadcast("on_train_start", ctx=ctx)
         # As the trainer does: what start-up built (models, servers) out of the cyclic collector's sight.
         gc.collect()
