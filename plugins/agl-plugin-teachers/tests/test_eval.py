@@ -93,3 +93,25 @@ def test_pass_at_k_by_hand():
     assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
     assert pass_at_k(4, 1, 2) == pytest.approx(1 - (3 / 4) * (2 / 3))  # 1 - C(3,2)/C(4,2) = 0.5
     assert pass_at_k(4, 2, 3) == 1.0  # only 2 failures: any 3 samples hold a pass
+
+
+def test_what_a_checkpoint_path_serves(tmp_path):
+    """A model directory is served as the recipe's model; a checkpoint of adapters (given as the run, the
+    checkpoint or its actor directory) is restored as a resume does; anything else is refused, naming the path."""
+    from agl_plugin_teachers.evaluation import checkpoint_source
+
+    from agl_core.checkpoint import CORE_STATE
+
+    whole = tmp_path / "run" / "checkpoints" / "global_step_3"
+    (whole / "actor").mkdir(parents=True)
+    (whole / CORE_STATE).write_bytes(b"")
+    (whole / "actor" / "config.json").write_text("{}")
+    assert checkpoint_source(tmp_path / "run") == (whole / "actor", None)
+    assert checkpoint_source(whole) == (whole / "actor", None)
+    adapters = tmp_path / "lora" / "checkpoints" / "global_step_2"
+    (adapters / "actor").mkdir(parents=True)
+    (adapters / CORE_STATE).write_bytes(b"")
+    for path in (tmp_path / "lora", adapters, adapters / "actor"):
+        assert checkpoint_source(path) == (None, adapters), path
+    with pytest.raises(ValueError, match=r"--checkpoint .*nowhere: not a model directory, a checkpoint"):
+        checkpoint_source(tmp_path / "nowhere")
