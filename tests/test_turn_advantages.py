@@ -15,26 +15,13 @@ from agl_core.algorithms import turn_advantages as T
 from agl_core.builtin import estimators as E
 from agl_core.components import Component, call_estimator
 from agl_core.config import AlgorithmConfig
-from agl_core.data import CALL_COLUMNS, Rollout, Span, state_key_ids
+from agl_core.data import CALL_COLUMNS, state_key_ids
+from agl_core.testing.rollouts import multi_turn_rollout
 
 
 def game(rollout_id, task_id, rewards, keys, final_reward=1.0):
-    """A rollout whose calls extend one context: call i answers token 10+i after the observation 9.
-    ``rewards[i]`` (None: none) is emitted after call i, ``keys[i]`` (None: none) before it."""
-    spans, prompt, seq = [], [1, 2], 0
-    for i, (reward, key) in enumerate(zip(rewards, keys)):
-        if key is not None:
-            spans.append(Span(rollout_id=rollout_id, sequence_id=seq, kind="annotation",
-                              attributes={"state_key": key}))
-            seq += 1
-        spans.append(Span(rollout_id=rollout_id, sequence_id=seq, kind="llm_call", prompt_token_ids=prompt,
-                          response_token_ids=[10 + i]))
-        seq += 1
-        if reward is not None:
-            spans.append(Span(rollout_id=rollout_id, sequence_id=seq, kind="reward", reward=reward))
-            seq += 1
-        prompt = prompt + [10 + i, 9]
-    return Rollout(rollout_id=rollout_id, task_id=task_id, status="succeeded", final_reward=final_reward, spans=spans)
+    """A rollout whose calls extend one context, each answering one token (:func:`multi_turn_rollout`)."""
+    return multi_turn_rollout(rollout_id, task_id, rewards, keys, final_reward=final_reward)
 
 
 def rows(rollouts, aggregator):

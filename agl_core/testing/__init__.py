@@ -17,7 +17,8 @@ the CLI does and fails with the plugin manager's message if it is refused,
 URLs (e.g. the test policy endpoint's) for a test of the rollout plane.
 
 The contract suite a plugin's tests subclass is :mod:`agl_core.testing.contracts`; golden metrics (a run
-checked against one recorded by earlier code, per kind of machine) are :mod:`agl_core.testing.golden`.
+checked against one recorded by earlier code, per kind of machine) are :mod:`agl_core.testing.golden`;
+rollouts built by hand (calls, per-call rewards, state keys) are :mod:`agl_core.testing.rollouts`.
 """
 
 from __future__ import annotations

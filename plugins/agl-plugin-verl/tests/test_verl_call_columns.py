@@ -10,7 +10,8 @@ from agl_plugin_traces.trajectory import trajectory_batch
 
 from agl_core.builtin import estimators
 from agl_core.config import AlgorithmConfig
-from agl_core.data import CALL_COLUMNS, Batch, Rollout, Span
+from agl_core.data import CALL_COLUMNS, Batch, Rollout
+from agl_core.testing.rollouts import multi_turn_rollout
 
 from agl_plugin_verl.bridge import agl_estimator_for_verl
 
@@ -18,20 +19,7 @@ from verl import DataProto
 
 
 def game(rollout_id: str, task_id: str, rewards: list[float | None], keys: list[str | None]) -> Rollout:
-    spans, prompt, seq = [], [1, 2], 0
-    for i, (reward, key) in enumerate(zip(rewards, keys)):
-        if key is not None:
-            spans.append(Span(rollout_id=rollout_id, sequence_id=seq, kind="annotation",
-                              attributes={"state_key": key}))
-            seq += 1
-        spans.append(Span(rollout_id=rollout_id, sequence_id=seq, kind="llm_call", prompt_token_ids=prompt,
-                          response_token_ids=[10 + i, 11]))
-        seq += 1
-        if reward is not None:
-            spans.append(Span(rollout_id=rollout_id, sequence_id=seq, kind="reward", reward=reward))
-            seq += 1
-        prompt = prompt + [10 + i, 11, 9]
-    return Rollout(rollout_id=rollout_id, task_id=task_id, status="succeeded", final_reward=1.0, spans=spans)
+    return multi_turn_rollout(rollout_id, task_id, rewards, keys, response_length=2)
 
 
 def rows() -> Batch:
