@@ -1,12 +1,14 @@
 """The loop with ``trainer.async``: k=0 is the synchronous loop bit for bit; k>=1 refuses a plane it cannot drive.
 
 ``data/quickstart_sync_metrics/`` holds the quick start's metrics (all but
-times) as the loop logged them before asynchronous training existed (commit
-02faa85's loop), one file per kind of machine they were recorded on (see
-:mod:`agl_core.testing.golden`). Record this machine's with that code:
-``agl train examples/quickstart/recipe.yaml trainer.run_dir=DIR``, then
-``record_golden(DIR / "metrics.jsonl", GOLDEN, TIMES)``. A change meant to move
-the quick start's numbers replaces the folder with its own run's file.
+times) as the synchronous loop logged them, one file per kind of machine they
+were recorded on (see :mod:`agl_core.testing.golden`). The loop before
+asynchronous training existed (commit 02faa85) gave them bit for bit; they
+were last recorded when GRPO's group statistics moved to float64 sums (a
+change in the last bits). Record this machine's with the code of that
+change: ``agl train examples/quickstart/recipe.yaml trainer.run_dir=DIR``,
+then ``record_golden(DIR / "metrics.jsonl", GOLDEN, TIMES)``. A change meant
+to move the quick start's numbers replaces the folder with its own run's file.
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ def _group_mean_std(
     Returns:
         ``(count, mean, std)``, each (G,) in ``scores.dtype``. ``std`` is NaN for groups
         of one; callers apply verl's convention for those. ``with_std=False``: ``std`` is
-        None (not computed).
+        None (not computed). An id no score has gets count 0 and NaN mean and std.
 
     Scores are shifted by a member of their group before summing, so a group whose
     scores are all equal sums zeros: it gets exactly that score as mean and exactly 0

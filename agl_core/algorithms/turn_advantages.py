@@ -145,7 +145,8 @@ def group_normalized(values: torch.Tensor, gid: torch.Tensor, n_groups: int, nor
     """``(v - mean_g) / (std_g + epsilon)`` (or ``v - mean_g`` without ``norm_by_std``) within each group.
 
     A group of one: ``singleton="grpo"`` takes mean 0 and std 1 (verl's GRPO, GiGPO's episode groups: the value
-    itself); ``"zero"`` takes its own value as the mean (GiGPO's step groups: advantage 0).
+    itself); ``"zero"`` takes its own value as the mean (GiGPO's step groups: advantage 0). The ids in ``gid``
+    (below ``n_groups``) need not be dense: an id no value has costs a bin, nothing else.
     """
     count, mean, std = (None if t is None else t.numpy() for t in
                         _group_mean_std(values, gid, n_groups, with_std=norm_by_std))
