@@ -22,8 +22,9 @@ import torch
 
 from agl_core.algorithms.advantages import _group_mean_std, group_ids
 
-__all__ = ["call_ranks", "dense_ids", "discounted_returns", "gigpo", "group_normalized", "keyed_calls",
-           "numbered", "per_call_rewards", "rollouts_with_own", "state_groups", "to_tokens", "turn_grpo"]
+__all__ = ["call_ranks", "dense_ids", "discounted_returns", "gigpo", "group_keys", "group_normalized",
+           "keyed_calls", "numbered", "per_call_rewards", "rollouts_with_own", "state_groups", "to_tokens",
+           "turn_grpo"]
 
 
 def call_ranks(rollout: torch.Tensor, turn: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -46,10 +47,15 @@ def call_ranks(rollout: torch.Tensor, turn: torch.Tensor) -> tuple[torch.Tensor,
     return torch.from_numpy(rank), int(rank.max()) + 1
 
 
+def _few_keys(size: int, n: int) -> bool:
+    """Whether a table with a slot per possible key (``size``) costs less than sorting ``n`` keys."""
+    return size <= 4 * n + 1024
+
+
 def dense_ids(key: torch.Tensor, size: int) -> tuple[torch.Tensor, int]:
     """``(ids, n)``: the keys (K,) long in ``0..size-1`` numbered ``0..n-1`` in increasing order of key (what
     ``torch.unique(key, return_inverse=True)`` numbers them), and n the distinct keys."""
-    if size > 4 * len(key) + 1024:  # a presence table would outweigh a sort
+    if not _few_keys(size, len(key)):  # a presence table would outweigh a sort
         values, ids = torch.unique(key, return_inverse=True)
         return ids, len(values)
     # In NumPy, as discounted_returns: a scatter, a scan and a gather with no thread hand-off (CPU tensors).
@@ -57,6 +63,12 @@ def dense_ids(key: torch.Tensor, size: int) -> tuple[torch.Tensor, int]:
     present[key.numpy()] = True
     number = np.cumsum(present) - 1
     return torch.from_numpy(number.take(key.numpy())), int(number[-1]) + 1 if size else 0
+
+
+def group_keys(key: torch.Tensor, size: int) -> torch.Tensor:
+    """Group ids (K,) for integer keys in ``0..size-1``: the keys themselves where the possible keys are few (a
+    group no key falls in costs an empty bin of :func:`group_normalized`), else :func:`dense_ids`'."""
+    return key if _few_keys(size, len(key)) else dense_ids(key, size)[0]
 
 
 def state_groups(group: torch.Tensor, state: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, int]:

@@ -139,11 +139,8 @@ def _turn_grpo(batch, config, ctx=None):
     calls = batch_calls.batch_calls(batch)
     with _one_thread():
         reward = _call_rewards(calls)
-        # A turn group: a task's t-th calls. Keys below a small bound serve as group ids as they are (a group no
-        # call is in costs an empty bin); above it they are numbered densely.
-        turn_group, size = calls.group * calls.length + calls.rank, _n_groups(calls) * calls.length
-        if size > 4 * len(turn_group) + 1024:
-            turn_group, _ = T.dense_ids(turn_group, size)
+        # A turn group: a task's t-th calls.
+        turn_group = T.group_keys(calls.group * calls.length + calls.rank, _n_groups(calls) * calls.length)
         advantage = T.turn_grpo(reward, calls.rollout, calls.rank, turn_group, calls.n_rollouts, calls.length,
                                 config.gamma, norm_by_std=config.norm_adv_by_std_in_grpo)
         _report(ctx, {"advantage/calls": float(len(reward)),
