@@ -105,7 +105,8 @@ class ChatTemplate:
         return renderer
 
     def continuation(self, history: list[dict[str, Any]], reply: dict[str, Any], new: list[dict[str, Any]],
-                     tools: list[dict[str, Any]] | None, sampled: list[int], before: str | None = None) -> list[int] | None:
+                     tools: list[dict[str, Any]] | None, sampled: list[int],
+                     before: str | None = None) -> list[int] | None:
         """The ids after ``sampled`` (the model's reply to ``history``): the turn's closing, ``new``, the
         generation prompt; None when the template renders ``history + reply`` differently once ``new`` follows.
         ``before``: ``history + reply`` rendered by this template with ``tools`` already, when it was."""

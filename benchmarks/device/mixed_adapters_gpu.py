@@ -92,7 +92,8 @@ def run(hidden, layers, rows=64, new=64, rank=16):
         grouped_t += time.perf_counter() - t
     grouped = rows * new / grouped_t
     print(json.dumps({"hidden": hidden, "layers": layers, "rows": rows, "new_tokens": new, "rank": rank,
-                      "dtype": "bfloat16", "max_abs_logit_diff_vs_peft": kernel_diff, "mixed_tokens_per_s": mixed, "single_tokens_per_s": single,
+                      "dtype": "bfloat16", "max_abs_logit_diff_vs_peft": kernel_diff, "mixed_tokens_per_s": mixed,
+                      "single_tokens_per_s": single,
                       "peft_mixed_tokens_per_s": peft_mixed, "grouped_tokens_per_s": grouped,
                       "mixed_vs_single": mixed / single, "peft_mixed_vs_single": peft_mixed / single,
                       "grouped_vs_single": grouped / single, "base_peak_bytes": base_peak,

@@ -79,7 +79,8 @@ def _lora_linear_type():
 
 
 def packable(layer: torch.nn.Module) -> bool:
-    """Whether ``layer`` is a plain-LoRA peft ``lora.Linear`` (no variant, no bias, unmerged) of one device and dtype."""
+    """Whether ``layer`` is a plain-LoRA peft ``lora.Linear`` (no variant, no bias, unmerged) of one device and
+    dtype."""
     if not isinstance(layer, _lora_linear_type()) or layer.merged or getattr(layer, "lora_variant", {}):
         return False
     names = list(layer.lora_A)
@@ -134,7 +135,8 @@ def pack_adapters(model: torch.nn.Module) -> int:
 
 @contextmanager
 def rows_through_adapters(model: torch.nn.Module, adapters: Sequence[str], base: str) -> Iterator[set[torch.nn.Module]]:
-    """Every gradient-free forward of ``model``'s plain-LoRA linear layers in the block computes row i with ``adapters[i]``.
+    """Every gradient-free forward of ``model``'s plain-LoRA linear layers in the block computes row i with
+    ``adapters[i]``.
 
     ``base`` is the name that means no adapter. Yields the layers it covers
     (the caller routes the other adapter layers peft's way). A name that is
