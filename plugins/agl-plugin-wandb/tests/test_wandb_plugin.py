@@ -6,6 +6,7 @@ spy on ``Run.log`` and ``Run.log_artifact``: each call is recorded, then goes to
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,11 @@ def test_a_resumed_run_continues_the_same_run_and_sends_each_step_once(tmp_path,
     # killed after logging step 3, before its checkpoint: the resumed run trains step 3 again
     shutil.rmtree(run_dir / "checkpoints" / "global_step_3")
     sent["log"].clear()
+    # W&B names an offline run's directory by the second the process starts it: the resumed one starts in a later
+    # second than the first (a first run that lasts under a second would otherwise share its directory).
+    started = int(time.time())
+    while int(time.time()) == started:
+        time.sleep(0.02)
     resumed = train(run_dir, "trainer.total_steps=4", "trainer.resume=auto", "plugins.wandb.plot=false")
     assert resumed.ctx.run_id == first.ctx.run_id
     assert [(i["id"], i["resume"]) for i in sent["init"]] == [(first.ctx.run_id, "allow")] * 2
