@@ -12,6 +12,7 @@ from agl_plugin_traces.transition import transition_batch
 
 from agl_core.algorithms import advantages as A
 from agl_core.algorithms import turn_advantages as T
+from agl_core.builtin import batch_calls as BC
 from agl_core.builtin import estimators as E
 from agl_core.components import Component, call_estimator
 from agl_core.config import AlgorithmConfig
@@ -132,6 +133,39 @@ def test_discounted_returns_follow_each_rollouts_order():
     assert got.tolist() == [1.0, 1.0 + 0.5 * 0.0 + 0.25 * 4.0, 2.0 + 0.5, 4.0, 0.0 + 0.5 * 4.0]
     ranks, length = T.call_ranks(torch.tensor([1, 0, 1, 0]), torch.tensor([7, 3, 2, 5]))
     assert ranks.tolist() == [1, 0, 0, 1] and length == 2
+
+
+def test_rectangular_calls_give_the_same_bits_as_scattered_ones():
+    """Calls laid out rollout-major, as many per rollout: the sums and scans along the matrix give what the
+    scatter by rollout and rank gives, to the bit."""
+    rng = np.random.default_rng(0)
+    n, length = 50, 4
+    reward = torch.from_numpy(rng.random(n * length).round(2))
+    rollout, rank = torch.arange(n).repeat_interleave(length), torch.arange(length).repeat(n)
+    episode_group = torch.arange(n) // 5
+    state_group = torch.from_numpy(rng.integers(-1, 6, n * length)) + episode_group.repeat_interleave(length) * 6
+    state_group[state_group % 6 == 5] = -1
+    for rectangular in (False, True):
+        assert torch.equal(T.discounted_returns(reward, rollout, rank, n, length, 0.9, rectangular),
+                           T.discounted_returns(reward, rollout, rank, n, length, 0.9))
+        assert torch.equal(T.gigpo(reward, rollout, rank, episode_group, state_group, n, length, 0.9,
+                                   rectangular=rectangular),
+                           T.gigpo(reward, rollout, rank, episode_group, state_group, n, length, 0.9))
+
+
+def test_the_calls_are_rectangular_only_in_runs_of_equal_length_in_turn_order():
+    """batch_calls says the calls are a (rollouts, length) matrix only when they are, with both aggregators;
+    rollouts of different lengths or rows out of order take the general path, with the same advantages."""
+    even = [game(name, "t", [float(i), 1.0], ["s0", "s1"]) for i, name in enumerate("abcd")]
+    for aggregator in ("trajectory", "transition"):
+        calls = BC.batch_calls(rows(even, aggregator))
+        assert calls.rectangular and calls.length == 2 and calls.rank.tolist() == [0, 1] * 4
+        assert not BC.batch_calls(rows(GAMES, aggregator)).rectangular  # rollouts of 2, 3 and 2 calls
+    batch = rows(even, "transition")
+    expected = per_call(batch, gigpo(batch, 0.5))
+    shuffled = batch[torch.tensor([1, 0, 2, 3, 5, 4, 6, 7])]  # each rollout's second call listed first
+    assert not BC.batch_calls(shuffled).rectangular
+    assert per_call(shuffled, gigpo(shuffled, 0.5)) == expected
 
 
 def test_the_kl_penalty_on_a_calls_tokens_is_part_of_its_reward():

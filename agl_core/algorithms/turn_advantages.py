@@ -136,14 +136,22 @@ def rollouts_with_own(own: torch.Tensor, rollout: torch.Tensor, n_rollouts: int)
 
 
 def discounted_returns(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor, n_rollouts: int,
-                       length: int, gamma: float) -> torch.Tensor:
+                       length: int, gamma: float, rectangular: bool = False) -> torch.Tensor:
     """Returns-to-go ``G_t = r_t + gamma * G_{t+1}`` along each rollout's calls (by ``rank``), (K,).
 
     Laid out as a (length, rollouts) matrix and scanned backwards over its
     rows (contiguous): ``length`` vector steps, however many rollouts. In
     NumPy, on the flat index of each call's cell: a scatter and a gather with
     no thread hand-off, a third of torch's two-index ones (CPU tensors).
+    ``rectangular``: the calls already are that matrix, rollout-major (see
+    :func:`gigpo`): scanned in place of the scatter and gather, with the same
+    arithmetic.
     """
+    if rectangular:
+        returns = reward.numpy().reshape(n_rollouts, length).copy()
+        for t in reversed(range(length - 1)):
+            returns[:, t] += gamma * returns[:, t + 1]
+        return torch.from_numpy(returns.reshape(-1))
     cell = (rank * n_rollouts + rollout).numpy()
     returns = np.zeros((length + 1, n_rollouts))
     returns.reshape(-1)[cell] = reward.numpy()
@@ -175,7 +183,7 @@ def group_normalized(values: torch.Tensor, gid: torch.Tensor, n_groups: int, nor
 
 def gigpo(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor, episode_group: torch.Tensor,
           state_group: torch.Tensor, n_rollouts: int, length: int, gamma: float, step_weight: float = 1.0,
-          norm_by_std: bool = False, epsilon: float = 1e-6) -> torch.Tensor:
+          norm_by_std: bool = False, epsilon: float = 1e-6, rectangular: bool = False) -> torch.Tensor:
     """GiGPO's advantage of each call (Feng et al. 2025, arXiv:2505.10978, Eq. 3-8), (K,) float64.
 
     Episode level (Eq. 3): a rollout's return is the sum of its calls'
@@ -191,19 +199,36 @@ def gigpo(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor, episo
 
     Args: ``reward``, ``rollout``, ``rank``, ``state_group`` (K,) per call;
     ``episode_group`` (n_rollouts,) dense group ids of the rollouts.
+    ``rectangular``: the calls are a (n_rollouts, length) matrix, rollout-major
+    (call k is rollout ``k // length``'s call of rank ``k % length``, as
+    :class:`agl_core.builtin.batch_calls.BatchCalls` says when it is so):
+    sums and scans run along its rows and columns instead of scattering by
+    ``rollout`` and ``rank``, with the same results to the bit.
     """
-    episode_return = torch.from_numpy(np.bincount(rollout.numpy(), reward.numpy(), n_rollouts))
+    episode_return = _row_sums(reward, n_rollouts, length) if rectangular \
+        else torch.from_numpy(np.bincount(rollout.numpy(), reward.numpy(), n_rollouts))
     n_groups = int(episode_group.max()) + 1 if n_rollouts else 0
     episode = group_normalized(episode_return, episode_group, n_groups, norm_by_std, epsilon, singleton="grpo")
-    advantage = torch.from_numpy(episode.numpy().take(rollout.numpy()))
+    advantage = torch.from_numpy(np.repeat(episode.numpy(), length) if rectangular
+                                 else episode.numpy().take(rollout.numpy()))
     keyed = keyed_calls(state_group)
     if keyed is not None:
-        returns = discounted_returns(reward, rollout, rank, n_rollouts, length, gamma)
+        returns = discounted_returns(reward, rollout, rank, n_rollouts, length, gamma, rectangular)
         states = state_group[keyed]
         step = group_normalized(returns[keyed], states, int(states.max()) + 1, norm_by_std, epsilon,
                                 singleton="zero")
         advantage[keyed] += step_weight * step
     return advantage
+
+
+def _row_sums(reward: torch.Tensor, n_rollouts: int, length: int) -> torch.Tensor:
+    """Each rollout's summed reward (n_rollouts,) float64 from a rollout-major (n_rollouts, length) matrix: added
+    column by column from 0, the order ``np.bincount`` adds them in (so the two give the same bits)."""
+    calls = reward.numpy().reshape(n_rollouts, length)
+    total = np.zeros(n_rollouts)
+    for t in range(length):
+        total += calls[:, t]
+    return torch.from_numpy(total)
 
 
 def keyed_calls(state: torch.Tensor) -> torch.Tensor | slice | None:
@@ -217,11 +242,12 @@ def keyed_calls(state: torch.Tensor) -> torch.Tensor | slice | None:
 
 def turn_grpo(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor, turn_group: torch.Tensor,
               n_rollouts: int, length: int, gamma: float, norm_by_std: bool = True,
-              epsilon: float = 1e-6) -> torch.Tensor:
+              epsilon: float = 1e-6, rectangular: bool = False) -> torch.Tensor:
     """GRPO at turn level, (K,) float64: each call's discounted return-to-go ``G_t`` (``gamma``), normalized
     among the calls of its ``turn_group`` (the same task at the same rank: the t-th call of each sample),
-    with GRPO's conventions (a group of one keeps its value). With one call per rollout it is GRPO."""
-    returns = discounted_returns(reward, rollout, rank, n_rollouts, length, gamma)
+    with GRPO's conventions (a group of one keeps its value). With one call per rollout it is GRPO.
+    ``rectangular``: the calls are a rollout-major matrix, as in :func:`gigpo`."""
+    returns = discounted_returns(reward, rollout, rank, n_rollouts, length, gamma, rectangular)
     n_groups = int(turn_group.max()) + 1 if turn_group.numel() else 0
     return group_normalized(returns, turn_group, n_groups, norm_by_std, epsilon, singleton="grpo")
 

@@ -29,6 +29,8 @@ class BatchCalls:
     turn: torch.Tensor  # (K,) long: position in the trace
     rank: torch.Tensor  # (K,) long: the call's rank among its rollout's calls by turn (0: the first in the batch)
     length: int  # the most calls of one rollout
+    rectangular: bool  # every rollout has ``length`` calls, listed rollout-major in turn order: call k is rollout
+    # k // length's call of rank k % length (turn_advantages.gigpo: its sums and scans need no scatter)
     rollout: torch.Tensor  # (K,) long: dense rollout id
     n_rollouts: int
     group: torch.Tensor  # (K,) long: dense id of the call's group (its row's ``uid``)
@@ -99,18 +101,34 @@ def batch_calls(batch: Batch) -> BatchCalls:
     # Each row's rollout and group, repeated for its calls: NumPy's repeat, cheaper than a gather per call.
     rollout = torch.from_numpy(np.repeat(rollout_of_row.numpy(), calls_per_row))
     group = torch.from_numpy(np.repeat(rollout_group.numpy().take(rollout_of_row.numpy()), calls_per_row))
-    if n_rollouts == n and np.ndim(calls_per_row) == 0:  # a row per rollout, each with as many calls
-        rank, length = torch.from_numpy(np.tile(np.arange(calls_per_row), n)), calls_per_row if n else 0
+    # A row per rollout, each with as many calls (merged trajectories), or each rollout's calls in one run of
+    # rows in turn order, as many each (a row per call): the calls are a (rollouts, length) matrix.
+    rectangular = (n_rollouts == n and np.ndim(calls_per_row) == 0) or _in_runs(rollout.numpy(), turn.numpy(),
+                                                                                  n_rollouts)
+    if rectangular:
+        length = len(turn) // n_rollouts if n_rollouts else 0
+        rank = torch.from_numpy(np.tile(np.arange(length), n_rollouts))
     elif n_rollouts == n:  # a row per rollout (merged trajectories): a call's rank is its place in its row
         rank = torch.from_numpy(np.arange(len(turn)) - np.repeat(np.cumsum(calls_per_row) - calls_per_row,
                                                                   calls_per_row))
         length = int(calls_per_row.max(initial=0))
     else:
         rank, length = call_ranks(rollout, turn)
-    return BatchCalls(reward=reward, own=own, kl=kl, turn=turn, rank=rank, length=length, rollout=rollout,
-                      n_rollouts=n_rollouts,
+    return BatchCalls(reward=reward, own=own, kl=kl, turn=turn, rank=rank, length=length, rectangular=rectangular,
+                      rollout=rollout, n_rollouts=n_rollouts,
                       group=group, rollout_group=rollout_group, state=state,
                       call_slot=torch.from_numpy(call_slot), token_slot=token_slot, n_slots=n_slots)
+
+
+def _in_runs(rollout: np.ndarray, turn: np.ndarray, n_rollouts: int) -> bool:
+    """Whether the calls (``rollout`` (K,) dense ids in order of first appearance, ``turn`` (K,)) are each
+    rollout's in one run, the runs equally long and each in turn order. Two passes over the calls where
+    :func:`~agl_core.algorithms.turn_advantages.call_ranks` makes a dozen."""
+    if not n_rollouts or len(rollout) % n_rollouts:
+        return False
+    by_rollout = rollout.reshape(n_rollouts, -1)
+    turns = turn.reshape(n_rollouts, -1)
+    return bool((by_rollout == np.arange(n_rollouts)[:, None]).all() and (turns[:, 1:] > turns[:, :-1]).all())
 
 
 def _first_rows(rollout: np.ndarray, n_rollouts: int) -> np.ndarray:

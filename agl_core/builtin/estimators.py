@@ -117,7 +117,8 @@ def _gigpo(batch, config, ctx=None, *, settings: GiGPOConfig):
         n_keyed = int(np.count_nonzero(state_group.numpy() >= 0))
         advantage = T.gigpo(reward, calls.rollout, calls.rank, calls.rollout_group, state_group, calls.n_rollouts,
                             calls.length, config.gamma, step_weight=settings.step_weight,
-                            norm_by_std=settings.mode == "mean_std_norm", epsilon=settings.epsilon)
+                            norm_by_std=settings.mode == "mean_std_norm", epsilon=settings.epsilon,
+                            rectangular=calls.rectangular)
         _report(ctx, {"advantage/calls": float(len(reward)), "advantage/calls_with_state_key": float(n_keyed),
                       "advantage/step_group_size_mean": n_keyed / n_states if n_states else 0.0,
                       "advantage/rollouts_outcome_only": float(calls.n_rollouts - _rollouts_with_own(calls))})
@@ -142,7 +143,8 @@ def _turn_grpo(batch, config, ctx=None):
         # A turn group: a task's t-th calls.
         turn_group = T.group_keys(calls.group * calls.length + calls.rank, _n_groups(calls) * calls.length)
         advantage = T.turn_grpo(reward, calls.rollout, calls.rank, turn_group, calls.n_rollouts, calls.length,
-                                config.gamma, norm_by_std=config.norm_adv_by_std_in_grpo)
+                                config.gamma, norm_by_std=config.norm_adv_by_std_in_grpo,
+                                rectangular=calls.rectangular)
         _report(ctx, {"advantage/calls": float(len(reward)),
                       "advantage/rollouts_outcome_only": float(calls.n_rollouts - _rollouts_with_own(calls))})
     return _on_tokens(advantage, calls, batch)
