@@ -132,7 +132,7 @@ def cost(n: int, turns: int, repeats: int) -> dict:
                    for name in ("grpo_rollout", "gigpo", "turn_grpo")}
         figures[aggregator] = {
             "rows": len(batch),
-            **{f"{name}_s": round(s, 4) for name, s in seconds.items()},
+            **{f"{name}_s": round(s, 5) for name, s in seconds.items()},
             **{f"{name}_vs_grpo_rollout": round(seconds[name] / seconds["grpo_rollout"], 2)
                for name in ("gigpo", "turn_grpo")}}
     ratios = [f[f"{name}_vs_grpo_rollout"] for f in figures.values() for name in ("gigpo", "turn_grpo")]
