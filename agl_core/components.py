@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,11 @@ class Component:
     obj: Any
     plugin: str
     options: dict[str, Any] = field(default_factory=dict)
+
+    @functools.cached_property
+    def takes_ctx(self) -> bool:
+        """Whether ``obj`` takes a ``ctx`` keyword (an estimator of hook API 1.3), read off its signature once."""
+        return accepts(self.obj, "ctx")
 
 
 class Components:
@@ -123,7 +129,7 @@ def call_estimator(component: Component, batch: Any, config: Any, ctx: Any = Non
     the estimator declares a ``ctx`` parameter (hook API 1.3); its result checked by
     :func:`checked_estimator_result`."""
     fn = component.obj
-    result = fn(batch, config, ctx=ctx) if accepts(fn, "ctx") else fn(batch, config)
+    result = fn(batch, config, ctx=ctx) if component.takes_ctx else fn(batch, config)
     return checked_estimator_result(component, result, batch)
 
 

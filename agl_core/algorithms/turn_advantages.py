@@ -79,11 +79,14 @@ def state_groups(group: torch.Tensor, state: torch.Tensor, n_groups: int) -> tup
     The states are numbered by :func:`numbered`, the pairs by :func:`dense_ids`.
     """
     keyed = keyed_calls(state)
-    state_group = torch.full_like(state, -1)
     if keyed is None:
-        return state_group, 0
+        return torch.full_like(state, -1), 0
     state_index, n_states = numbered(state[keyed].numpy())
-    state_group[keyed], n = dense_ids(group[keyed] * n_states + torch.from_numpy(state_index), n_groups * n_states)
+    pair, n = dense_ids(torch.from_numpy(group[keyed].numpy() * n_states + state_index), n_groups * n_states)
+    if isinstance(keyed, slice):  # every call has a state
+        return pair, n
+    state_group = torch.full_like(state, -1)
+    state_group[keyed] = pair
     return state_group, n
 
 
@@ -120,10 +123,10 @@ def per_call_rewards(call_reward: torch.Tensor, own: torch.Tensor, rollout: torc
     which all hold the rollout's) on its last call, 0 on the others.
     """
     call_reward = call_reward.to(torch.float64)
-    if bool(own.all()):  # every call has its own reward (an agent that rewards each turn): nothing to mask
+    if own.numpy().all():  # every call has its own reward (an agent that rewards each turn): nothing to mask
         return call_reward
     has_own = rollouts_with_own(own, rollout, n_rollouts)
-    if bool(has_own.all()):  # the common case: no rollout falls back
+    if has_own.numpy().all():  # the common case: no rollout falls back
         return torch.where(own, call_reward, 0.0)
     last = torch.full((n_rollouts,), -1, dtype=torch.long).scatter_reduce(0, rollout, rank, "amax")
     fallback = ~has_own[rollout] & (rank == last[rollout])
@@ -207,7 +210,7 @@ def gigpo(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor, episo
     """
     episode_return = _row_sums(reward, n_rollouts, length) if rectangular \
         else torch.from_numpy(np.bincount(rollout.numpy(), reward.numpy(), n_rollouts))
-    n_groups = int(episode_group.max()) + 1 if n_rollouts else 0
+    n_groups = int(episode_group.numpy().max()) + 1 if n_rollouts else 0
     episode = group_normalized(episode_return, episode_group, n_groups, norm_by_std, epsilon, singleton="grpo")
     advantage = torch.from_numpy(np.repeat(episode.numpy(), length) if rectangular
                                  else episode.numpy().take(rollout.numpy()))
@@ -215,9 +218,9 @@ def gigpo(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor, episo
     if keyed is not None:
         returns = discounted_returns(reward, rollout, rank, n_rollouts, length, gamma, rectangular)
         states = state_group[keyed]
-        step = group_normalized(returns[keyed], states, int(states.max()) + 1, norm_by_std, epsilon,
+        step = group_normalized(returns[keyed], states, int(states.numpy().max()) + 1, norm_by_std, epsilon,
                                 singleton="zero")
-        advantage[keyed] += step_weight * step
+        advantage[keyed] += step if step_weight == 1 else step_weight * step
     return advantage
 
 
@@ -248,7 +251,7 @@ def turn_grpo(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.Tensor, t
     with GRPO's conventions (a group of one keeps its value). With one call per rollout it is GRPO.
     ``rectangular``: the calls are a rollout-major matrix, as in :func:`gigpo`."""
     returns = discounted_returns(reward, rollout, rank, n_rollouts, length, gamma, rectangular)
-    n_groups = int(turn_group.max()) + 1 if turn_group.numel() else 0
+    n_groups = int(turn_group.numpy().max()) + 1 if turn_group.numel() else 0
     return group_normalized(returns, turn_group, n_groups, norm_by_std, epsilon, singleton="grpo")
 
 

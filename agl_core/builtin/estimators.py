@@ -126,12 +126,12 @@ def _gigpo(batch, config, ctx=None, *, settings: GiGPOConfig):
 
 
 def _n_groups(calls) -> int:
-    return int(calls.rollout_group.max()) + 1 if calls.n_rollouts else 0
+    return int(calls.rollout_group.numpy().max()) + 1 if calls.n_rollouts else 0
 
 
 def _rollouts_with_own(calls) -> int:
     """Rollouts with at least one call that has its own reward (the others fall back to their outcome)."""
-    if bool(calls.own.all()):  # an agent that rewards every call: all of them, with no scatter over the calls
+    if calls.own.numpy().all():  # an agent that rewards every call: all of them, with no scatter over the calls
         return calls.n_rollouts
     return int(T.rollouts_with_own(calls.own, calls.rollout, calls.n_rollouts).sum())
 
@@ -141,7 +141,8 @@ def _turn_grpo(batch, config, ctx=None):
     with _one_thread():
         reward = _call_rewards(calls)
         # A turn group: a task's t-th calls.
-        turn_group = T.group_keys(calls.group * calls.length + calls.rank, _n_groups(calls) * calls.length)
+        turn_group = T.group_keys(torch.from_numpy(calls.group.numpy() * calls.length + calls.rank.numpy()),
+                                  _n_groups(calls) * calls.length)
         advantage = T.turn_grpo(reward, calls.rollout, calls.rank, turn_group, calls.n_rollouts, calls.length,
                                 config.gamma, norm_by_std=config.norm_adv_by_std_in_grpo,
                                 rectangular=calls.rectangular)
