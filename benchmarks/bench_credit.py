@@ -20,7 +20,9 @@ of 8 rollouts), turned into rows by both aggregators (one row per call:
 32,768 rows; one merged row per rollout: 4,096 rows). On each set of rows,
 the best of ``--repeats`` times of ``gigpo`` and ``turn_grpo`` against the
 rollout-level GRPO (``grpo_rollout``) on the same rows, in this process,
-each as the ``advantage`` slot calls it. Goal: each <= 2x.
+each as the ``advantage`` slot calls it. Goal: each <= 2x. Beside them,
+with no goal (``ragged_*``): the same with rollouts of 4 to 12 calls (8 on
+average), which the estimators cannot lay out as a (rollouts, turns) matrix.
 
 Prints one JSON line. For a short check: ``--seeds 0 --steps 10`` (learning),
 ``--no-learning`` or ``--no-cost`` to run one half.
@@ -79,16 +81,19 @@ def learning(seeds: list[int], steps: int, overrides: list[str], keep: Path | No
 # ------------------------------------------------------------------ (b) cost
 
 
-def rollouts(n: int, turns: int, group: int = 8, states: int = 3, seed: int = 0) -> list[Rollout]:
+def rollouts(n: int, turns: int, group: int = 8, states: int = 3, seed: int = 0, ragged: bool = False) -> list[Rollout]:
     """``n`` rollouts of ``turns`` calls that extend one context (4 response, 4 observation tokens a call); each call
-    is rewarded and given one of ``states`` state keys; ``group`` rollouts per task."""
+    is rewarded and given one of ``states`` state keys; ``group`` rollouts per task. ``ragged``: each rollout has
+    ``turns // 2`` to ``turns * 3 // 2`` calls instead (as many on average)."""
     rng = np.random.default_rng(seed)
-    rewards = rng.random((n, turns)).round(2)
-    keys = rng.integers(0, states, (n, turns))
+    most = turns * 3 // 2 if ragged else turns
+    rewards = rng.random((n, most)).round(2)
+    keys = rng.integers(0, states, (n, most))
+    lengths = rng.integers(turns // 2, most + 1, n) if ragged else np.full(n, turns)
     out = []
     for r in range(n):
         rollout_id, spans, prompt, seq = f"r{r}", [], list(range(1, 9)), 0
-        for t in range(turns):
+        for t in range(lengths[r]):
             response = [100 + t, 101, 102, 103]
             spans += [Span(rollout_id=rollout_id, sequence_id=seq, kind="annotation",
                            attributes={"state_key": f"{t}:{keys[r, t]}"}),
@@ -98,7 +103,7 @@ def rollouts(n: int, turns: int, group: int = 8, states: int = 3, seed: int = 0)
             seq += 3
             prompt = prompt + response + [7, 7, 7, 7]
         out.append(Rollout(rollout_id=rollout_id, task_id=f"task{r // group}", status="succeeded",
-                           final_reward=float(rewards[r].sum()), spans=spans))
+                           final_reward=float(rewards[r, :lengths[r]].sum()), spans=spans))
     return out
 
 
@@ -121,9 +126,14 @@ def cost(n: int, turns: int, repeats: int) -> dict:
         _, plugins = load(None, [f"trainer.run_dir={tmp}"], plugin_flags=["traces"])
     components = Components.collect(plugins)
     config = AlgorithmConfig(estimator="gigpo", gamma=0.95)
-    traces = rollouts(n, turns)
-    context = 8 + turns * 8
-    batches = {"transition": transition_batch(traces, context, 4)[0], "trajectory": trajectory_batch(traces, 8, context)[0]}
+    traces, ragged = rollouts(n, turns), rollouts(n, turns, ragged=True)
+    context, ragged_context = 8 + turns * 8, 8 + turns * 3 // 2 * 8
+    batches = {"transition": transition_batch(traces, context, 4)[0],
+               "trajectory": trajectory_batch(traces, 8, context)[0],
+               # Not the goal's batch: rollouts of different lengths, which the estimators cannot lay out as a
+               # (rollouts, turns) matrix. What a run whose agents stop at different turns costs.
+               "ragged_transition": transition_batch(ragged, ragged_context, 4)[0],
+               "ragged_trajectory": trajectory_batch(ragged, 8, ragged_context)[0]}
     figures = {}
     for aggregator, batch in batches.items():
         batch["token_level_rewards"] = batch["token_level_scores"]
@@ -135,7 +145,8 @@ def cost(n: int, turns: int, repeats: int) -> dict:
             **{f"{name}_s": round(s, 5) for name, s in seconds.items()},
             **{f"{name}_vs_grpo_rollout": round(seconds[name] / seconds["grpo_rollout"], 2)
                for name in ("gigpo", "turn_grpo")}}
-    ratios = [f[f"{name}_vs_grpo_rollout"] for f in figures.values() for name in ("gigpo", "turn_grpo")]
+    ratios = [figures[aggregator][f"{name}_vs_grpo_rollout"] for aggregator in ("transition", "trajectory")
+              for name in ("gigpo", "turn_grpo")]
     return {"rollouts": n, "turns": turns, "repeats": repeats, "torch_threads": torch.get_num_threads(),
             **figures, "goal_le_2x": all(r <= 2 for r in ratios)}
 

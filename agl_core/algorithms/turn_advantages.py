@@ -59,10 +59,15 @@ def dense_ids(key: torch.Tensor, size: int) -> tuple[torch.Tensor, int]:
         values, ids = torch.unique(key, return_inverse=True)
         return ids, len(values)
     # In NumPy, as discounted_returns: a scatter, a scan and a gather with no thread hand-off (CPU tensors).
-    present = np.zeros(size, dtype=bool)
-    present[key.numpy()] = True
-    number = np.cumsum(present) - 1
+    number = np.cumsum(_presence(key.numpy(), size)) - 1
     return torch.from_numpy(number.take(key.numpy())), int(number[-1]) + 1 if size else 0
+
+
+def _presence(key: np.ndarray, size: int) -> np.ndarray:
+    """(size,) bool: the keys in ``0..size-1`` that occur in ``key``."""
+    present = np.zeros(size, dtype=bool)
+    present[key] = True
+    return present
 
 
 def group_keys(key: torch.Tensor, size: int) -> torch.Tensor:
@@ -72,17 +77,24 @@ def group_keys(key: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def state_groups(group: torch.Tensor, state: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, int]:
-    """``(state_group, n)``: each call's step group (K,), the dense id of its (``group``, ``state``) pair numbered
-    ``0..n-1``, or -1 for a call without a state (``state`` -1); n the distinct pairs. ``group`` (K,) dense ids
-    below ``n_groups``; ``state`` (K,) any integer ids (:func:`agl_core.data.state_key_ids`).
+    """``(state_group, n)``: each call's step group (K,), the id of its (``group``, ``state``) pair, or -1 for a
+    call without a state (``state`` -1); n the distinct pairs. ``group`` (K,) dense ids below ``n_groups``;
+    ``state`` (K,) any integer ids (:func:`agl_core.data.state_key_ids`).
 
-    The states are numbered by :func:`numbered`, the pairs by :func:`dense_ids`.
+    The states are numbered by :func:`numbered`; a pair's key is ``group *
+    n_states + state``. Where the possible keys are few the ids are the keys
+    themselves, as in :func:`group_keys` (not dense: a pair no call makes
+    costs an empty bin of :func:`group_normalized`), else :func:`dense_ids`.
     """
     keyed = keyed_calls(state)
     if keyed is None:
         return torch.full_like(state, -1), 0
     state_index, n_states = numbered(state[keyed].numpy())
-    pair, n = dense_ids(torch.from_numpy(group[keyed].numpy() * n_states + state_index), n_groups * n_states)
+    key, size = group[keyed].numpy() * n_states + state_index, n_groups * n_states
+    if _few_keys(size, len(key)):
+        pair, n = torch.from_numpy(key), int(np.count_nonzero(_presence(key, size)))
+    else:
+        pair, n = dense_ids(torch.from_numpy(key), size)
     if isinstance(keyed, slice):  # every call has a state
         return pair, n
     state_group = torch.full_like(state, -1)
@@ -155,7 +167,7 @@ def discounted_returns(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.
         for t in reversed(range(length - 1)):
             returns[:, t] += gamma * returns[:, t + 1]
         return torch.from_numpy(returns.reshape(-1))
-    cell = (rank * n_rollouts + rollout).numpy()
+    cell = rank.numpy() * n_rollouts + rollout.numpy()
     returns = np.zeros((length + 1, n_rollouts))
     returns.reshape(-1)[cell] = reward.numpy()
     for t in reversed(range(length)):

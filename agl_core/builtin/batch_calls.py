@@ -63,21 +63,24 @@ def batch_calls(batch: Batch) -> BatchCalls:
         call_turns = batch["call_turns"]
         valid = call_turns >= 0
         # Rows that all hold as many calls as the columns are wide (a row per call, merged rows of equal length):
-        # the calls are the columns' entries in order, read as views. Else boolean indexing reads them row by
-        # row, each row's in call order.
+        # the calls are the columns' entries in order, read as views. Else they are read at the flat positions of
+        # the entries that hold a call (row by row, each row's in call order): one search for them, then a
+        # gather per column, cheaper than a boolean index per column.
         every = bool(valid.all())
-        calls_of = np.ravel if every else (lambda column: column[valid])
-        calls_per_row = call_turns.shape[1] if every else np.count_nonzero(valid, axis=1)
+        at = None if every else np.flatnonzero(valid)
+        calls_of = np.ravel if every else (lambda column: column.reshape(-1).take(at))
+        calls_per_row = call_turns.shape[1] if every else np.bincount(at // call_turns.shape[1], minlength=n)
         turn = torch.from_numpy(calls_of(call_turns))
         reward = torch.from_numpy(calls_of(batch["call_rewards"]).astype(np.float64, copy=False))
         # The sources are the three of data.py; all but the rollout's are the call's own (OWN_REWARD_SOURCES):
-        # one comparison of fixed-width strings where naming the two would take two.
-        own = torch.from_numpy(calls_of(batch["call_reward_sources"]) != REWARD_FROM_ROLLOUT)
+        # one comparison of fixed-width strings where naming the two would take two (before the gather, which
+        # moves strings slowly).
+        own = torch.from_numpy(calls_of(batch["call_reward_sources"] != REWARD_FROM_ROLLOUT))
         state = torch.from_numpy(calls_of(batch["call_state_ids"]) if "call_state_ids" in batch
                                  else state_key_ids(calls_of(batch["call_state_keys"])))
         turn_ids = batch["turn_ids"]
     else:
-        calls_per_row = 1
+        calls_per_row, at = 1, None
         turn = torch.from_numpy(np.asarray(batch["turn_index"], dtype=np.int64)) if "turn_index" in batch \
             else torch.zeros(n, dtype=torch.long)
         call_turns = turn.numpy()[:, None]
@@ -86,7 +89,7 @@ def batch_calls(batch: Batch) -> BatchCalls:
         own = torch.zeros(n, dtype=torch.bool)
         state = torch.full((n,), -1, dtype=torch.long)
         turn_ids = torch.where(mask.bool(), turn[:, None], -1).to(torch.int32)
-    call_slot, token_slot, n_slots = _slots(call_turns, valid, turn_ids)
+    call_slot, token_slot, n_slots = _slots(call_turns, valid, calls_per_row, at, turn_ids)
     kl = None
     if rewards.data_ptr() != scores.data_ptr():  # the KL penalty is in the reward
         penalty = np.bincount(token_slot.numpy().ravel(), (rewards - scores).to(torch.float64).numpy().ravel(),
@@ -140,8 +143,11 @@ def _first_rows(rollout: np.ndarray, n_rollouts: int) -> np.ndarray:
     return np.flatnonzero(np.diff(np.maximum.accumulate(rollout), prepend=-1))
 
 
-def _slots(call_turns: np.ndarray, valid: np.ndarray, turn_ids: torch.Tensor) -> tuple[np.ndarray, torch.Tensor, int]:
-    """``(call_slot, token_slot, n_slots)``: a slot per call (K,) and each token's (B, T), its call's.
+def _slots(call_turns: np.ndarray, valid: np.ndarray, calls_per_row: int | np.ndarray, at: np.ndarray | None,
+           turn_ids: torch.Tensor) -> tuple[np.ndarray, torch.Tensor, int]:
+    """``(call_slot, token_slot, n_slots)``: a slot per call (K,) and each token's (B, T), its call's. ``valid``
+    marks the entries of ``call_turns`` that hold a call (each row's first ``calls_per_row``), ``at`` their flat
+    positions (None: all of them).
 
     Row r owns slots ``r * W .. r * W + W - 1`` (W: one more than the widest
     span of turns in a row). Its first slot is its tokens' that no call
@@ -152,13 +158,13 @@ def _slots(call_turns: np.ndarray, valid: np.ndarray, turn_ids: torch.Tensor) ->
     ops and row extrema are the faster on the CPU).
     """
     n, width_of_row = call_turns.shape
-    every = bool(valid.all())
+    every = at is None
     first = np.maximum(call_turns[:, 0], 0)  # a row's calls are in turn order; a row without calls has none
     offset = call_turns - first[:, None]
     width = int(offset.max(initial=0)) + 2
     row_start = np.arange(n) * width
     call_slot = offset + (row_start + 1)[:, None]
-    call_slot = call_slot.reshape(-1) if every else call_slot[valid]
+    call_slot = call_slot.reshape(-1) if every else call_slot.reshape(-1).take(at)
     # Slots as narrow as the turn ids where they fit: the passes over the tokens move half the bytes of int64.
     index = torch.int32 if n * width <= torch.iinfo(torch.int32).max else torch.int64
     token_slot = turn_ids.to(index) + torch.from_numpy(row_start + 1 - first).to(index)[:, None]
@@ -174,11 +180,20 @@ def _slots(call_turns: np.ndarray, valid: np.ndarray, turn_ids: torch.Tensor) ->
         torch.maximum(token_slot, torch.from_numpy(row_start).to(index)[:, None], out=token_slot)
         below |= (turn_ids & torch.iinfo(torch.int32).max).amin(1).numpy() < first
     # (Where every row's calls start at turn 0, a token of turn -1 lands on its row's first slot as it is.)
-    last = call_turns[:, -1] if every else call_turns.max(1, initial=-1)  # in turn order, if not: refused below
+    # The calls in turn order (if not, refused below: their turns skip)
+    last = call_turns[:, -1] if every else _last_calls(call_turns, calls_per_row)
     skips = offset != np.arange(width_of_row)
     if below.any() or (highest > last).any() or (skips.any() if every else (skips & valid).any()):
         _check_listed(call_turns, turn_ids.numpy(), call_slot, first, row_start, n * width)
     return call_slot, token_slot, n * width
+
+
+def _last_calls(call_turns: np.ndarray, calls_per_row: np.ndarray) -> np.ndarray:
+    """Each row's last call's turn (-1 for a row without calls), its calls filling its first columns: a gather,
+    where NumPy's maximum over each row's few entries costs three times as much."""
+    n, width = call_turns.shape
+    last_column = np.maximum(calls_per_row - 1, 0)
+    return np.where(calls_per_row > 0, call_turns.reshape(-1).take(np.arange(n) * width + last_column), -1)
 
 
 def _check_listed(call_turns, turn_ids, call_slot, first, row_start, n_slots) -> None:
