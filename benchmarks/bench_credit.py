@@ -18,7 +18,7 @@ trained from scratch the seeds spread widely; the figures say what it is.
 call with its own reward and a state key drawn from a few per task (groups
 of 8 rollouts), turned into rows by both aggregators (one row per call:
 32,768 rows; one merged row per rollout: 4,096 rows). On each set of rows,
-the best of ``--repeats`` times of ``gigpo`` and ``turn_grpo`` against the
+the best of ``--rounds`` rounds of ``--repeats`` times of ``gigpo`` and ``turn_grpo`` against the
 rollout-level GRPO (``grpo_rollout``) on the same rows, in this process,
 each as the ``advantage`` slot calls it. Goal: each <= 2x. Beside them,
 with no goal (``ragged_*``): the same with rollouts of 4 to 12 calls (8 on
@@ -28,7 +28,7 @@ Prints one JSON line. For a short check: ``--seeds 0 --steps 10`` (learning),
 ``--no-learning`` or ``--no-cost`` to run one half.
 
     python benchmarks/bench_credit.py [--seeds 0 1 2] [--steps 80] [--rollouts 4096] [--turns 8]
-                                      [--repeats 5] [--no-learning] [--no-cost] [--keep DIR] [overrides ...]
+                                      [--repeats 20] [--rounds 10] [--no-learning] [--no-cost] [--keep DIR] [overrides ...]
 """
 
 from __future__ import annotations
@@ -107,18 +107,22 @@ def rollouts(n: int, turns: int, group: int = 8, states: int = 3, seed: int = 0,
     return out
 
 
-def best_seconds(fn, repeats: int) -> float:
-    """The shortest of ``repeats`` timed runs after a warm-up: on a shared machine the least disturbed one."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def best_seconds(fns: dict, repeats: int, rounds: int) -> dict[str, float]:
+    """Each function's shortest of ``repeats`` timed runs in a row, after a warm-up, over ``rounds`` rounds that
+    take the functions in turn: on a shared machine the least disturbed run, and a slow spell of the machine
+    falls on every function instead of one."""
+    best = {name: float("inf") for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            fn()
+            for _ in range(repeats):
+                start = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
-def cost(n: int, turns: int, repeats: int) -> dict:
+def cost(n: int, turns: int, repeats: int, rounds: int) -> dict:
     from agl_plugin_traces.trajectory import trajectory_batch
     from agl_plugin_traces.transition import transition_batch
 
@@ -137,9 +141,8 @@ def cost(n: int, turns: int, repeats: int) -> dict:
     figures = {}
     for aggregator, batch in batches.items():
         batch["token_level_rewards"] = batch["token_level_scores"]
-        seconds = {name: best_seconds(lambda c=components.get("estimator", name): call_estimator(c, batch, config),
-                                        repeats)
-                   for name in ("grpo_rollout", "gigpo", "turn_grpo")}
+        seconds = best_seconds({name: lambda c=components.get("estimator", name): call_estimator(c, batch, config)
+                                for name in ("grpo_rollout", "gigpo", "turn_grpo")}, repeats, rounds)
         figures[aggregator] = {
             "rows": len(batch),
             **{f"{name}_s": round(s, 5) for name, s in seconds.items()},
@@ -147,7 +150,7 @@ def cost(n: int, turns: int, repeats: int) -> dict:
                for name in ("gigpo", "turn_grpo")}}
     ratios = [figures[aggregator][f"{name}_vs_grpo_rollout"] for aggregator in ("transition", "trajectory")
               for name in ("gigpo", "turn_grpo")]
-    return {"rollouts": n, "turns": turns, "repeats": repeats, "torch_threads": torch.get_num_threads(),
+    return {"rollouts": n, "turns": turns, "repeats": repeats, "rounds": rounds, "torch_threads": torch.get_num_threads(),
             **figures, "goal_le_2x": all(r <= 2 for r in ratios)}
 
 
@@ -157,7 +160,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=80, help="training steps of every run (the recipe's 80)")
     parser.add_argument("--rollouts", type=int, default=4096)
     parser.add_argument("--turns", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=20, help="timed runs in a row of each estimator per round")
+    parser.add_argument("--rounds", type=int, default=10, help="rounds taking the estimators in turn")
     parser.add_argument("--no-learning", action="store_true", help="skip (a), the training runs")
     parser.add_argument("--no-cost", action="store_true", help="skip (b), the estimators' timing")
     parser.add_argument("--keep", type=Path, default=None, metavar="DIR", help="keep the runs' directories under DIR")
@@ -166,7 +170,7 @@ def main() -> None:
     torch.set_num_threads(2)
     out = {"benchmark": "credit"}
     if not args.no_cost:
-        out["cost"] = cost(args.rollouts, args.turns, args.repeats)
+        out["cost"] = cost(args.rollouts, args.turns, args.repeats, args.rounds)
         print(f"cost: {json.dumps(out['cost'])}", file=sys.stderr)
     if not args.no_learning:
         out["learning"] = learning(args.seeds, args.steps, args.overrides, args.keep)
