@@ -27,8 +27,8 @@ average), which the estimators cannot lay out as a (rollouts, turns) matrix.
 Prints one JSON line. For a short check: ``--seeds 0 --steps 10`` (learning),
 ``--no-learning`` or ``--no-cost`` to run one half.
 
-    python benchmarks/bench_credit.py [--seeds 0 1 2] [--steps 80] [--rollouts 4096] [--turns 8]
-                                      [--repeats 20] [--rounds 10] [--no-learning] [--no-cost] [--keep DIR] [overrides ...]
+    python benchmarks/bench_credit.py [--seeds 0 1 2] [--steps 80] [--rollouts 4096] [--turns 8] [--repeats 20]
+                                      [--rounds 10] [--no-learning] [--no-cost] [--keep DIR] [overrides ...]
 """
 
 from __future__ import annotations
@@ -150,8 +150,8 @@ def cost(n: int, turns: int, repeats: int, rounds: int) -> dict:
                for name in ("gigpo", "turn_grpo")}}
     ratios = [figures[aggregator][f"{name}_vs_grpo_rollout"] for aggregator in ("transition", "trajectory")
               for name in ("gigpo", "turn_grpo")]
-    return {"rollouts": n, "turns": turns, "repeats": repeats, "rounds": rounds, "torch_threads": torch.get_num_threads(),
-            **figures, "goal_le_2x": all(r <= 2 for r in ratios)}
+    return {"rollouts": n, "turns": turns, "repeats": repeats, "rounds": rounds,
+            "torch_threads": torch.get_num_threads(), **figures, "goal_le_2x": all(r <= 2 for r in ratios)}
 
 
 def main() -> None:

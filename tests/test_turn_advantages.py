@@ -120,8 +120,9 @@ def test_without_own_rewards_the_rollout_reward_is_the_last_calls():
 
 
 def test_a_rollout_with_some_own_rewards_scores_the_others_zero():
-    reward = T.per_call_rewards(torch.tensor([0.3, 9.0, 9.0, 5.0], dtype=torch.float64), torch.tensor([True, False, False, False]),
-                                torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 0, 1]), 2)
+    reward = T.per_call_rewards(torch.tensor([0.3, 9.0, 9.0, 5.0], dtype=torch.float64),
+                                torch.tensor([True, False, False, False]), torch.tensor([0, 0, 1, 1]),
+                                torch.tensor([0, 1, 0, 1]), 2)
     assert reward.tolist() == [0.3, 0.0, 0.0, 5.0]  # rollout 1 has none of its own: its reward on its last call
 
 

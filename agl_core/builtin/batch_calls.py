@@ -180,7 +180,7 @@ def _slots(call_turns: np.ndarray, valid: np.ndarray, calls_per_row: int | np.nd
         torch.maximum(token_slot, torch.from_numpy(row_start).to(index)[:, None], out=token_slot)
         below |= (turn_ids & torch.iinfo(torch.int32).max).amin(1).numpy() < first
     # (Where every row's calls start at turn 0, a token of turn -1 lands on its row's first slot as it is.)
-    # The calls in turn order (if not, refused below: their turns skip)
+    # Each row's last call: its calls are in turn order (a row whose calls are not is refused below: its turns skip).
     last = call_turns[:, -1] if every else _last_calls(call_turns, calls_per_row)
     skips = offset != np.arange(width_of_row)
     if below.any() or (highest > last).any() or (skips.any() if every else (skips & valid).any()):
