@@ -136,6 +136,10 @@ def test_discounted_returns_follow_each_rollouts_order():
     assert ranks.tolist() == [1, 0, 0, 1] and length == 2
 
 
+# Four rollouts of a task with two calls each: merged rows of equal length.
+EVEN = [game(name, "t", [float(i), 1.0], ["s0", "s1"]) for i, name in enumerate("abcd")]
+
+
 def test_rectangular_calls_give_the_same_bits_as_scattered_ones():
     """Calls laid out rollout-major, as many per rollout: the sums and scans along the matrix give what the
     scatter by rollout and rank gives, to the bit."""
@@ -157,12 +161,11 @@ def test_rectangular_calls_give_the_same_bits_as_scattered_ones():
 def test_the_calls_are_rectangular_only_in_runs_of_equal_length_in_turn_order():
     """batch_calls says the calls are a (rollouts, length) matrix only when they are, with both aggregators;
     rollouts of different lengths or rows out of order take the general path, with the same advantages."""
-    even = [game(name, "t", [float(i), 1.0], ["s0", "s1"]) for i, name in enumerate("abcd")]
     for aggregator in ("trajectory", "transition"):
-        calls = BC.batch_calls(rows(even, aggregator))
+        calls = BC.batch_calls(rows(EVEN, aggregator))
         assert calls.rectangular and calls.length == 2 and calls.rank.tolist() == [0, 1] * 4
         assert not BC.batch_calls(rows(GAMES, aggregator)).rectangular  # rollouts of 2, 3 and 2 calls
-    batch = rows(even, "transition")
+    batch = rows(EVEN, "transition")
     expected = per_call(batch, gigpo(batch, 0.5))
     shuffled = batch[torch.tensor([1, 0, 2, 3, 5, 4, 6, 7])]  # each rollout's second call listed first
     assert not BC.batch_calls(shuffled).rectangular
@@ -252,6 +255,21 @@ def test_a_token_outside_its_rows_calls_is_an_error_naming_the_row(aggregator, r
     batch["turn_ids"] = turn_ids
     with pytest.raises(ValueError, match=rf"row {row}: turn_ids names a call that call_turns does not list "
                                          rf"\(\[{turn}\]\)"):
+        gigpo(batch, 1.0)
+
+
+@pytest.mark.parametrize("turn, message", [
+    (2, r"row 2: turn_ids names a call that call_turns does not list \(\[2\]\)"),
+    (-3, r"row 2: turn_ids holds -3; a token no call generated holds -1"),
+])
+def test_merged_rows_of_equal_length_check_every_token(turn, message):
+    """Rows whose calls all run from turn 0 to the same last turn are checked by the batch's extrema, and the
+    error still names the row."""
+    batch = rows(EVEN, "trajectory")
+    turn_ids = batch["turn_ids"].clone()
+    turn_ids[2, -1] = turn
+    batch["turn_ids"] = turn_ids
+    with pytest.raises(ValueError, match=message):
         gigpo(batch, 1.0)
 
 

@@ -160,7 +160,8 @@ def _slots(call_turns: np.ndarray, valid: np.ndarray, calls_per_row: int | np.nd
     n, width_of_row = call_turns.shape
     every = at is None
     first = np.maximum(call_turns[:, 0], 0)  # a row's calls are in turn order; a row without calls has none
-    offset = call_turns - first[:, None]
+    starts_late = bool(first.any())  # some row's calls start after turn 0 (a row per call)
+    offset = call_turns - first[:, None] if starts_late else call_turns
     width = int(offset.max(initial=0)) + 2
     row_start = np.arange(n) * width
     call_slot = offset + (row_start + 1)[:, None]
@@ -172,18 +173,24 @@ def _slots(call_turns: np.ndarray, valid: np.ndarray, calls_per_row: int | np.nd
     # skip, and the calls in turn order.
     if not turn_ids.shape[1]:
         return call_slot, token_slot, n * width
-    highest = turn_ids.amax(1).numpy()
-    below = turn_ids.amin(1).numpy() < -1
-    if first.any():
+    # Each row's last call: its calls are in turn order (a row whose calls are not is refused below: its turns skip).
+    last = call_turns[:, -1] if every else _last_calls(call_turns, calls_per_row)
+    if starts_late:
         # A row whose calls start after turn 0 (a row per call): its tokens of turn -1 land below its first slot
         # and are raised to it. Masking the sign bit turns -1 into the largest int32, out of the minimum's way.
         torch.maximum(token_slot, torch.from_numpy(row_start).to(index)[:, None], out=token_slot)
-        below |= (turn_ids & torch.iinfo(torch.int32).max).amin(1).numpy() < first
-    # (Where every row's calls start at turn 0, a token of turn -1 lands on its row's first slot as it is.)
-    # Each row's last call: its calls are in turn order (a row whose calls are not is refused below: its turns skip).
-    last = call_turns[:, -1] if every else _last_calls(call_turns, calls_per_row)
+        outside = ((turn_ids.amin(1).numpy() < -1) | (turn_ids.amax(1).numpy() > last)
+                   | ((turn_ids & torch.iinfo(torch.int32).max).amin(1).numpy() < first)).any()
+    # Else every row's calls start at turn 0, and a token of turn -1 lands on its row's first slot as it is.
+    elif len(last) and (last == last[0]).all():
+        # Every row's calls also end at the same turn (merged rows of equal length): the batch's extrema, in one
+        # pass, check every row's tokens.
+        lowest, highest = torch.aminmax(turn_ids)
+        outside = int(lowest) < -1 or int(highest) > last[0]
+    else:
+        outside = ((turn_ids.amin(1).numpy() < -1) | (turn_ids.amax(1).numpy() > last)).any()
     skips = offset != np.arange(width_of_row)
-    if below.any() or (highest > last).any() or (skips.any() if every else (skips & valid).any()):
+    if outside or (skips.any() if every else (skips & valid).any()):
         _check_listed(call_turns, turn_ids.numpy(), call_slot, first, row_start, n * width)
     return call_slot, token_slot, n * width
 
