@@ -1,5 +1,6 @@
 """Step-level advantages (gigpo, turn_grpo) on hand-computed batches, through both aggregators' real rows."""
 
+import dataclasses
 import hashlib
 import math
 
@@ -156,6 +157,30 @@ def test_rectangular_calls_give_the_same_bits_as_scattered_ones():
         assert torch.equal(T.gigpo(reward, rollout, rank, episode_group, state_group, n, length, 0.9,
                                    rectangular=rectangular),
                            T.gigpo(reward, rollout, rank, episode_group, state_group, n, length, 0.9))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_on_random_batches_the_matrix_path_gives_the_general_paths_advantages(seed, monkeypatch):
+    """Rollouts of as many calls, some without a reward or a state key, some with no reward of their own, the KL
+    penalty in the reward, both normalizations: read as a matrix or scattered by rollout and rank, the same."""
+    rng = np.random.default_rng(seed)
+    length = int(rng.integers(1, 5))
+    games = [game(f"r{r}", f"t{r % 3}",
+                  [None if seed % 4 == 1 or rng.random() < 0.2 else float(rng.integers(0, 3)) for _ in range(length)],
+                  [None if rng.random() < 0.3 else f"s{rng.integers(0, 3)}" for _ in range(length)],
+                  final_reward=float(rng.integers(0, 2)))
+             for r in range(int(rng.integers(1, 12)))]
+    real = BC.batch_calls
+    for aggregator in ("trajectory", "transition"):
+        batch = rows(games, aggregator)
+        batch["token_level_rewards"] = batch["token_level_scores"] - torch.rand_like(batch["token_level_scores"]) / 10
+        assert real(batch).rectangular
+        for estimator in (lambda b: gigpo(b, 0.9, mode="mean_std_norm" if seed % 2 else "mean_norm"),
+                          lambda b: turn_grpo(b, 0.9)):
+            as_matrix = estimator(batch)
+            monkeypatch.setattr(BC, "batch_calls", lambda b: dataclasses.replace(real(b), rectangular=False))
+            assert torch.equal(estimator(batch), as_matrix)
+            monkeypatch.setattr(BC, "batch_calls", real)
 
 
 def test_the_calls_are_rectangular_only_in_runs_of_equal_length_in_turn_order():
