@@ -158,9 +158,9 @@ def discounted_returns(reward: torch.Tensor, rollout: torch.Tensor, rank: torch.
     rows (contiguous): ``length`` vector steps, however many rollouts. In
     NumPy, on the flat index of each call's cell: a scatter and a gather with
     no thread hand-off, a third of torch's two-index ones (CPU tensors).
-    ``rectangular``: the calls already are that matrix, rollout-major (see
-    :func:`gigpo`): scanned in place of the scatter and gather, with the same
-    arithmetic.
+    ``rectangular``: the calls already form a (rollouts, length) matrix,
+    rollout-major (see :func:`gigpo`): its columns are scanned in place, with
+    no scatter or gather and the same arithmetic.
     """
     if rectangular:
         returns = reward.numpy().reshape(n_rollouts, length).copy()

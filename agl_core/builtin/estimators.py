@@ -79,10 +79,11 @@ def _remax(batch, config):
 
 @contextlib.contextmanager
 def _one_thread():
-    """torch's intra-op parallelism off for the step-level math over calls: its vectors hold one entry per call
-    (32,768 for 4,096 rollouts of 8 turns), too short for handing work to a second thread to pay; on 2 threads
-    every such op paid the hand-off and the estimators took twice as long. The passes over the tokens, ten times
-    longer, keep the threads. Restored after, also on an error."""
+    """torch's intra-op parallelism off for the step-level math over calls. Most of it is NumPy's (one thread);
+    the torch ops left (the masks where only some calls have a state, an outcome fallback's scatters,
+    ``torch.unique`` past the presence tables' bound) hold one entry per call (32,768 for 4,096 rollouts of 8
+    turns), too short for handing work to a second thread to pay. The passes over the tokens, ten times longer,
+    keep the threads. Restored after, also on an error."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
